@@ -1,0 +1,33 @@
+"""Errors raised by gpu_serde."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gpu_serde.identity import DeviceInfo
+
+
+class DeviceNotVisibleError(RuntimeError):
+    """The GPU an object was sent for is not visible in this process.
+
+    Attributes:
+        uuid: canonical UUID of the GPU that was meant (``GPU-...`` or ``MIG-...``).
+        host: host name of the process that sent it (where the GPU lives).
+        visible: the GPUs this process can see, as :class:`~gpu_serde.DeviceInfo` tuples.
+    """
+
+    def __init__(
+        self, message: str, uuid: str = "", host: str = "", visible: tuple[DeviceInfo, ...] = ()
+    ) -> None:
+        super().__init__(message)
+        self.uuid = uuid
+        self.host = host
+        self.visible = tuple(visible)
+
+    def __reduce__(self):  # keeps .uuid/.host/.visible across Ray and Dask
+        return (type(self), (str(self), self.uuid, self.host, self.visible))
+
+
+class PayloadError(ValueError):
+    """A gpu_serde payload is malformed, truncated, of an unknown version, or not gpu_serde's."""

@@ -1,0 +1,149 @@
+"""The GPUs this process sees, from the CUDA driver's own enumeration (cached, thread-safe).
+
+Enumeration uses ``cuInit``, ``cuDeviceGetCount``, ``cuDeviceGetUuid``, ``cuDeviceGetName`` and
+``cuDeviceGetPCIBusId``: no CUDA context is created.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import socket
+import threading
+from dataclasses import dataclass, field
+
+from gpu_serde.identity import (
+    DeviceInfo,
+    canonical_uuid,
+    cuda_visible_devices,
+    describe_cuda_visible_devices,
+    mig_prefixes,
+)
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """A snapshot of what this process can see.
+
+    Attributes:
+        devices: the visible GPUs in ordinal order.
+        reason: why ``devices`` is empty (``""`` when it is not).
+        cuda_visible_devices: ``CUDA_VISIBLE_DEVICES`` when the snapshot was taken (``None``: unset).
+        host: this host's name.
+        pid: the id of the process that took the snapshot.
+        simulated: True when the driver is gpu_serde's stand-in (:mod:`gpu_serde.testing`).
+    """
+
+    devices: tuple[DeviceInfo, ...]
+    reason: str
+    cuda_visible_devices: str | None
+    host: str
+    pid: int
+    simulated: bool = False
+    by_uuid: dict[bytes, int] = field(default_factory=dict, repr=False, compare=False)
+
+    def describe(self) -> str:
+        """Multi-line text: ``CUDA_VISIBLE_DEVICES`` and each visible GPU, or why there is none."""
+        cvd = describe_cuda_visible_devices(self.cuda_visible_devices)
+        now = cuda_visible_devices()
+        if now != self.cuda_visible_devices:
+            cvd += f" at CUDA initialisation (now {describe_cuda_visible_devices(now)}; CUDA ignores later changes)"
+        lines = [f"CUDA_VISIBLE_DEVICES={cvd}"]
+        if self.devices:
+            sim = " (simulated driver)" if self.simulated else ""
+            lines.append(f"this process sees {len(self.devices)} GPU(s){sim}:")
+            lines += [
+                f"  {d.ordinal}  {d.uuid}  {d.name}  {d.pci_bus_id or '-'}" for d in self.devices
+            ]
+        else:
+            lines.append(f"this process sees no GPU: {self.reason}")
+        return "\n".join(lines)
+
+
+_lock = threading.Lock()
+cached: Inventory | None = None  # read directly on hot paths
+
+
+def _hostname() -> str:
+    return socket.gethostname()
+
+
+def _is_simulated() -> bool:
+    try:
+        lib = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD)
+    except OSError:
+        return False
+    return hasattr(lib, "gpu_serde_simulated_driver")
+
+
+def _enumerate() -> Inventory:
+    cvd = cuda_visible_devices()
+    host, pid = _hostname(), os.getpid()
+
+    def empty(reason: str) -> Inventory:
+        return Inventory((), reason, cvd, host, pid)
+
+    try:
+        from cuda.bindings import driver
+    except ImportError as exc:  # pragma: no cover - cuda-bindings is a dependency
+        return empty(f"cuda-bindings is not importable ({exc})")
+    try:
+        (err,) = driver.cuInit(0)
+    except RuntimeError as exc:  # cuda.pathfinder's DynamicLibNotFoundError
+        return empty(f"no CUDA driver (libcuda.so.1 not found: {exc})")
+    if err == driver.CUresult.CUDA_ERROR_NO_DEVICE:
+        if cvd is not None and cvd.strip() == "":
+            return empty("CUDA_VISIBLE_DEVICES is empty, so CUDA hides every GPU")
+        if cvd is not None:
+            return empty(
+                f"CUDA_ERROR_NO_DEVICE: CUDA_VISIBLE_DEVICES={cvd!r} selects no GPU on this host "
+                "(CUDA stops at the first entry that names no GPU)"
+            )
+        return empty("CUDA_ERROR_NO_DEVICE: the driver finds no GPU on this host")
+    if err != driver.CUresult.CUDA_SUCCESS:
+        return empty(f"cuInit failed: {err.name}")
+    err, count = driver.cuDeviceGetCount()
+    if err != driver.CUresult.CUDA_SUCCESS:
+        return empty(f"cuDeviceGetCount failed: {err.name}")
+    migs = mig_prefixes(cvd)
+    devices = []
+    by_uuid: dict[bytes, int] = {}
+    for ordinal in range(count):
+        err, uuid = driver.cuDeviceGetUuid(ordinal)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            return empty(f"cuDeviceGetUuid({ordinal}) failed: {err.name}")
+        raw = bytes(uuid.bytes)
+        err, name = driver.cuDeviceGetName(256, ordinal)
+        name_s = name.split(b"\0", 1)[0].decode(errors="replace") if err == 0 else ""
+        err, pci = driver.cuDeviceGetPCIBusId(32, ordinal)
+        pci_s = pci.split(b"\0", 1)[0].decode(errors="replace") if err == 0 else ""
+        mig = any(raw.hex().startswith(p) for p in migs if p)
+        devices.append(DeviceInfo(ordinal, canonical_uuid(raw, mig=mig), name_s, pci_s))
+        by_uuid.setdefault(raw, ordinal)
+    return Inventory(tuple(devices), "", cvd, host, pid, _is_simulated(), by_uuid)
+
+
+def inventory() -> Inventory:
+    """Return this process's :class:`Inventory`, enumerating the driver on the first call.
+
+    CUDA reads ``CUDA_VISIBLE_DEVICES`` once per process, so the answer is cached for the process's
+    life (a forked child keeps its parent's view, as CUDA does). Never raises for a missing driver or GPU.
+    """
+    global cached
+    inv = cached
+    if inv is not None:
+        return inv
+    with _lock:
+        if cached is None:
+            cached = _enumerate()
+        return cached
+
+
+def visible_devices() -> list[DeviceInfo]:
+    """Return the GPUs this process can see, in ordinal order (empty when it sees none).
+
+    Each entry is a :class:`DeviceInfo` (ordinal, canonical UUID, name, PCI bus id). The list comes
+    from the driver's enumeration in this process, so it reflects ``CUDA_VISIBLE_DEVICES`` as CUDA
+    applied it. Never raises and never creates a CUDA context; :func:`inventory` says why a list is empty.
+    """
+    return list(inventory().devices)

@@ -1,0 +1,201 @@
+"""Simulated GPUs for CPU-only tests: a stand-in ``libcuda.so.1`` built from C on first use.
+
+The stand-in presents the GPUs you describe and applies ``CUDA_VISIBLE_DEVICES`` the way the real
+driver does (unset: all; ``""``: none; ordinals, ``GPU-``/``MIG-`` UUIDs or unique prefixes, any
+case; the list stops at the first entry that names no GPU). cuda.core sees real ``Device`` objects
+with UUIDs, names, PCI ids and a compute capability of 9.0.
+
+It does **not** simulate contexts, memory, memory pools, IPC, streams, events, kernels, NVML, or the
+CUDA runtime (so ``Device.pci_bus_id``, ``set_current()`` and allocations fail): those need a real GPU.
+Ray does not count simulated GPUs (it asks NVML): give Ray ``num_gpus`` yourself.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import uuid as _uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "SimulatedDriverError",
+    "SimulatedGPU",
+    "activate",
+    "child_env",
+    "driver_dir",
+    "make_gpus",
+    "real_driver_present",
+]
+
+SPEC_ENV = "GPU_SERDE_SIM_GPUS"
+_SOURCE = Path(__file__).with_name("simdriver.c")
+
+
+class SimulatedDriverError(RuntimeError):
+    """The simulated driver cannot be built or used here (no C compiler, a real driver present, ...)."""
+
+
+@dataclass(frozen=True)
+class SimulatedGPU:
+    """One simulated GPU: a canonical ``GPU-``/``MIG-`` UUID, a name and a PCI bus id."""
+
+    uuid: str
+    name: str = "NVIDIA H200 (simulated)"
+    pci_bus_id: str = "0000:00:00.0"
+
+    def spec(self) -> str:
+        """This GPU as one entry of ``GPU_SERDE_SIM_GPUS`` (``UUID|NAME|PCI``)."""
+        for text in (self.name, self.pci_bus_id):
+            if any(c in text for c in "|;"):
+                raise ValueError(f"{text!r}: '|' and ';' are not allowed in a simulated GPU")
+        return f"{self.uuid}|{self.name}|{self.pci_bus_id}"
+
+
+def make_gpus(count: int, *, seed: str = "gpu_serde") -> list[SimulatedGPU]:
+    """Return ``count`` simulated GPUs with distinct, deterministic UUIDs and PCI ids."""
+    gpus = []
+    for i in range(count):
+        u = _uuid.uuid5(_uuid.NAMESPACE_OID, f"{seed}/{i}")
+        gpus.append(SimulatedGPU(f"GPU-{u}", pci_bus_id=f"0000:{0x19 + 0x10 * i:02x}:00.0"))
+    return gpus
+
+
+def _cache_root() -> Path:
+    explicit = os.environ.get("GPU_SERDE_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "gpu_serde"
+
+
+def driver_dir() -> Path:
+    """Build the stand-in driver if needed and return the folder that holds its ``libcuda.so.1``.
+
+    The library is compiled with ``$CC`` (default ``cc``) into ``$GPU_SERDE_CACHE_DIR`` (default
+    ``~/.cache/gpu_serde``), keyed by the source's hash; concurrent builders are safe.
+
+    Raises:
+        SimulatedDriverError: no C compiler, or the build failed.
+    """
+    source = _SOURCE.read_bytes()
+    digest = hashlib.sha256(source).hexdigest()[:16]
+    folder = _cache_root() / f"simdriver-{digest}"
+    lib = folder / "libcuda.so.1"
+    if lib.exists():
+        return folder
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        raise SimulatedDriverError(
+            f"no C compiler {cc!r} to build gpu_serde's simulated driver: install gcc or set CC"
+        )
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".build-", suffix=".so")
+    os.close(fd)
+    cmd = [cc, "-O2", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", tmp, str(_SOURCE)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        os.unlink(tmp)
+        raise SimulatedDriverError(f"building the simulated driver failed:\n{done.stderr}")
+    os.replace(tmp, lib)
+    return folder
+
+
+def _is_ours(path: str) -> bool:
+    try:
+        return hasattr(ctypes.CDLL(path), "gpu_serde_simulated_driver")
+    except OSError:
+        return False
+
+
+def real_driver_present() -> bool:
+    """True if a real ``libcuda.so.1`` is loaded in this process or found by the system loader."""
+    try:
+        loaded = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD)
+        return not hasattr(loaded, "gpu_serde_simulated_driver")
+    except OSError:
+        pass
+    for d in os.environ.get("LD_LIBRARY_PATH", "").split(":"):
+        candidate = os.path.join(d, "libcuda.so.1")
+        if d and os.path.exists(candidate) and not _is_ours(candidate):
+            return True
+    return ctypes.util.find_library("cuda") is not None
+
+
+def _spec(gpus: Iterable[SimulatedGPU]) -> str:
+    return ";".join(g.spec() for g in gpus)
+
+
+def _visible_value(visible: str | Iterable[str | int] | None) -> str | None:
+    if visible is None or isinstance(visible, str):
+        return visible
+    return ",".join(str(v) for v in visible)
+
+
+def child_env(
+    gpus: Iterable[SimulatedGPU],
+    visible: str | Iterable[str | int] | None = None,
+    *,
+    base: Mapping[str, str] | None = None,
+    allow_real_driver: bool = False,
+) -> dict[str, str]:
+    """Return an environment for a child process that sees ``gpus`` through the stand-in driver.
+
+    Args:
+        gpus: every GPU of the simulated host.
+        visible: the child's ``CUDA_VISIBLE_DEVICES``: ``None`` leaves it unset (all GPUs), a string
+            is used as is, an iterable of UUIDs/ordinals is joined with commas.
+        base: the environment to start from (default: this process's).
+        allow_real_driver: shadow a real driver on this machine (refused by default).
+
+    Raises:
+        SimulatedDriverError: a real driver is present and ``allow_real_driver`` is False, or the
+            stand-in cannot be built.
+    """
+    if not allow_real_driver and real_driver_present():
+        raise SimulatedDriverError(
+            "a real CUDA driver is present here; gpu_serde will not shadow it with simulated GPUs "
+            "(pass allow_real_driver=True to do so anyway)"
+        )
+    env = dict(os.environ if base is None else base)
+    folder = str(driver_dir())
+    paths = [p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p and p != folder]
+    env["LD_LIBRARY_PATH"] = ":".join([folder, *paths])
+    env[SPEC_ENV] = _spec(gpus)
+    value = _visible_value(visible)
+    if value is None:
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = value
+    return env
+
+
+def activate(
+    gpus: Iterable[SimulatedGPU],
+    visible: str | Iterable[str | int] | None = None,
+    *,
+    allow_real_driver: bool = False,
+) -> None:
+    """Use the stand-in driver in this process, before anything initialises CUDA.
+
+    Sets ``GPU_SERDE_SIM_GPUS`` and ``CUDA_VISIBLE_DEVICES`` (and ``LD_LIBRARY_PATH`` for children)
+    and loads the library globally so cuda.bindings finds it. Calling it again with the same GPUs is
+    harmless; CUDA reads ``CUDA_VISIBLE_DEVICES`` once, so later changes take no effect here.
+
+    Raises:
+        SimulatedDriverError: a real driver is loaded or present (see :func:`child_env`).
+    """
+    env = child_env(gpus, visible, allow_real_driver=allow_real_driver)
+    for key in ("LD_LIBRARY_PATH", SPEC_ENV):
+        os.environ[key] = env[key]
+    if "CUDA_VISIBLE_DEVICES" in env:
+        os.environ["CUDA_VISIBLE_DEVICES"] = env["CUDA_VISIBLE_DEVICES"]
+    else:
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    ctypes.CDLL(os.path.join(env["LD_LIBRARY_PATH"].split(":")[0], "libcuda.so.1"), mode=os.RTLD_GLOBAL)

@@ -1,0 +1,326 @@
+/*
+ * gpu_serde stand-in CUDA driver (libcuda.so.1) for CPU-only tests.
+ *
+ * It presents the GPUs listed in GPU_SERDE_SIM_GPUS ("UUID|NAME|PCI;UUID|NAME|PCI;...", UUID as
+ * "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" or "MIG-...") and applies CUDA_VISIBLE_DEVICES at cuInit
+ * the way the real driver does: unset selects every GPU; an empty string selects none; entries are
+ * ordinals or GPU-/MIG- UUIDs (full or a unique prefix, any case); the list stops at the first invalid
+ * entry. It implements device enumeration and identity only: no contexts, memory, streams or kernels.
+ */
+#include <ctype.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef void *CUcontext;
+typedef struct { char bytes[16]; } CUuuid;
+
+enum {
+    SUCCESS = 0, INVALID_VALUE = 1, NOT_INITIALIZED = 3, NO_DEVICE = 100, INVALID_DEVICE = 101,
+    INVALID_CONTEXT = 201, NOT_FOUND = 500, NOT_SUPPORTED = 801,
+};
+
+#define MAX_GPUS 64
+struct gpu { unsigned char uuid[16]; int mig; char name[256]; char pci[32]; };
+static struct gpu all_gpus[MAX_GPUS];
+static int n_all = -1;               /* -1: not parsed yet, -2: spec invalid */
+static int visible[MAX_GPUS];
+static int n_visible = 0;
+static int initialized = 0;
+static CUresult init_result = SUCCESS;
+
+static int hexval(int c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    c = tolower(c);
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    return -1;
+}
+
+/* Parse "GPU-" / "MIG-" + 32 hex digits with dashes; return number of hex digits read, -1 on error. */
+static int parse_uuid_hex(const char *s, size_t len, unsigned char *out, int allow_prefix) {
+    int digits = 0;
+    memset(out, 0, 16);
+    for (size_t i = 0; i < len; i++) {
+        if (s[i] == '-') continue;
+        int v = hexval((unsigned char)s[i]);
+        if (v < 0 || digits >= 32) return -1;
+        if (digits % 2 == 0) out[digits / 2] = (unsigned char)(v << 4);
+        else out[digits / 2] |= (unsigned char)v;
+        digits++;
+    }
+    if (!allow_prefix && digits != 32) return -1;
+    return digits;
+}
+
+static void parse_spec(void) {
+    const char *spec = getenv("GPU_SERDE_SIM_GPUS");
+    n_all = 0;
+    if (!spec) return;
+    const char *p = spec;
+    while (*p && n_all < MAX_GPUS) {
+        const char *end = strchr(p, ';');
+        size_t len = end ? (size_t)(end - p) : strlen(p);
+        if (len > 0) {
+            struct gpu *g = &all_gpus[n_all];
+            const char *bar1 = memchr(p, '|', len);
+            const char *bar2 = bar1 ? memchr(bar1 + 1, '|', len - (size_t)(bar1 + 1 - p)) : NULL;
+            if (!bar1 || !bar2 || bar1 - p < 5) { n_all = -2; return; }
+            if (strncmp(p, "GPU-", 4) == 0) g->mig = 0;
+            else if (strncmp(p, "MIG-", 4) == 0) g->mig = 1;
+            else { n_all = -2; return; }
+            if (parse_uuid_hex(p + 4, (size_t)(bar1 - p - 4), g->uuid, 0) != 32) { n_all = -2; return; }
+            size_t nlen = (size_t)(bar2 - bar1 - 1);
+            if (nlen >= sizeof g->name) nlen = sizeof g->name - 1;
+            memcpy(g->name, bar1 + 1, nlen); g->name[nlen] = 0;
+            size_t plen = len - (size_t)(bar2 + 1 - p);
+            if (plen >= sizeof g->pci) plen = sizeof g->pci - 1;
+            memcpy(g->pci, bar2 + 1, plen); g->pci[plen] = 0;
+            n_all++;
+        }
+        if (!end) break;
+        p = end + 1;
+    }
+}
+
+/* Index of the GPU an entry of CUDA_VISIBLE_DEVICES selects, or -1. */
+static int match_entry(const char *s, size_t len) {
+    while (len && isspace((unsigned char)*s)) { s++; len--; }
+    while (len && isspace((unsigned char)s[len - 1])) len--;
+    if (len == 0) return -1;
+    int all_digits = 1;
+    for (size_t i = 0; i < len; i++) if (!isdigit((unsigned char)s[i])) all_digits = 0;
+    if (all_digits) {
+        long idx = strtol(s, NULL, 10);
+        /* ordinals count the non-MIG GPUs */
+        int k = 0;
+        for (int i = 0; i < n_all; i++) {
+            if (all_gpus[i].mig) continue;
+            if (k == idx) return i;
+            k++;
+        }
+        return -1;
+    }
+    if (len < 5) return -1;
+    int mig;
+    if (strncasecmp(s, "GPU-", 4) == 0) mig = 0;
+    else if (strncasecmp(s, "MIG-", 4) == 0) mig = 1;
+    else return -1;
+    unsigned char want[16];
+    int digits = parse_uuid_hex(s + 4, len - 4, want, 1);
+    if (digits <= 0) return -1;
+    int found = -1;
+    for (int i = 0; i < n_all; i++) {
+        if (all_gpus[i].mig != mig) continue;
+        int ok = 1;
+        for (int d = 0; d < digits && ok; d++) {
+            int a = (d % 2 == 0) ? (all_gpus[i].uuid[d / 2] >> 4) : (all_gpus[i].uuid[d / 2] & 15);
+            int b = (d % 2 == 0) ? (want[d / 2] >> 4) : (want[d / 2] & 15);
+            ok = a == b;
+        }
+        if (ok) {
+            if (found >= 0) return -1; /* ambiguous prefix */
+            found = i;
+        }
+    }
+    return found;
+}
+
+CUresult cuInit(unsigned int flags) {
+    (void)flags;
+    if (initialized) return init_result;
+    initialized = 1;
+    if (n_all == -1) parse_spec();
+    if (n_all < 0) return init_result = INVALID_VALUE;
+    const char *cvd = getenv("CUDA_VISIBLE_DEVICES");
+    n_visible = 0;
+    if (!cvd) {
+        for (int i = 0; i < n_all; i++) if (!all_gpus[i].mig) visible[n_visible++] = i;
+    } else {
+        const char *p = cvd;
+        while (1) {
+            const char *end = strchr(p, ',');
+            size_t len = end ? (size_t)(end - p) : strlen(p);
+            int idx = match_entry(p, len);
+            if (idx < 0) break;
+            for (int j = 0; j < n_visible; j++) if (visible[j] == idx) { idx = -1; break; }
+            if (idx < 0 || n_visible >= MAX_GPUS) break;
+            visible[n_visible++] = idx;
+            if (!end) break;
+            p = end + 1;
+        }
+    }
+    return init_result = n_visible ? SUCCESS : NO_DEVICE;
+}
+
+static CUresult check(CUdevice dev) {
+    if (!initialized) return NOT_INITIALIZED;
+    if (init_result != SUCCESS) return init_result;
+    if (dev < 0 || dev >= n_visible) return INVALID_DEVICE;
+    return SUCCESS;
+}
+
+CUresult cuDriverGetVersion(int *v) { if (!v) return INVALID_VALUE; *v = 13000; return SUCCESS; }
+
+CUresult cuDeviceGetCount(int *count) {
+    if (!count) return INVALID_VALUE;
+    if (!initialized) return NOT_INITIALIZED;
+    if (init_result != SUCCESS) return init_result;
+    *count = n_visible;
+    return SUCCESS;
+}
+
+CUresult cuDeviceGet(CUdevice *dev, int ordinal) {
+    if (!dev) return INVALID_VALUE;
+    CUresult r = check(ordinal);
+    if (r) return r;
+    *dev = ordinal;
+    return SUCCESS;
+}
+
+CUresult cuDeviceGetName(char *name, int len, CUdevice dev) {
+    CUresult r = check(dev);
+    if (r) return r;
+    if (!name || len <= 0) return INVALID_VALUE;
+    strncpy(name, all_gpus[visible[dev]].name, (size_t)len - 1);
+    name[len - 1] = 0;
+    return SUCCESS;
+}
+
+CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev) {
+    CUresult r = check(dev);
+    if (r) return r;
+    if (!uuid) return INVALID_VALUE;
+    memcpy(uuid->bytes, all_gpus[visible[dev]].uuid, 16);
+    return SUCCESS;
+}
+
+CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev) { return cuDeviceGetUuid_v2(uuid, dev); }
+
+CUresult cuDeviceGetPCIBusId(char *pci, int len, CUdevice dev) {
+    CUresult r = check(dev);
+    if (r) return r;
+    if (!pci || len <= 0) return INVALID_VALUE;
+    strncpy(pci, all_gpus[visible[dev]].pci, (size_t)len - 1);
+    pci[len - 1] = 0;
+    return SUCCESS;
+}
+
+CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
+    CUresult r = check(dev);
+    if (r) return r;
+    if (!bytes) return INVALID_VALUE;
+    *bytes = (size_t)141 << 30;
+    return SUCCESS;
+}
+
+CUresult cuDeviceGetAttribute(int *value, int attrib, CUdevice dev) {
+    CUresult r = check(dev);
+    if (r) return r;
+    if (!value) return INVALID_VALUE;
+    switch (attrib) {
+    case 75: *value = 9; break;      /* compute capability major */
+    case 76: *value = 0; break;      /* compute capability minor */
+    case 16: *value = 132; break;    /* multiprocessor count */
+    case 1: *value = 1024; break;    /* max threads per block */
+    case 10: *value = 32; break;     /* warp size */
+    case 33: case 34: case 50: {     /* PCI bus / device / domain id */
+        unsigned dom = 0, bus = 0, devn = 0;
+        const char *pci = all_gpus[visible[dev]].pci;
+        char *e;
+        dom = (unsigned)strtoul(pci, &e, 16);
+        if (*e == ':') bus = (unsigned)strtoul(e + 1, &e, 16);
+        if (*e == ':') devn = (unsigned)strtoul(e + 1, &e, 16);
+        *value = (int)(attrib == 33 ? bus : attrib == 34 ? devn : dom);
+        break;
+    }
+    default: *value = 0; break;
+    }
+    return SUCCESS;
+}
+
+CUresult cuCtxGetDevice(CUdevice *dev) { (void)dev; return INVALID_CONTEXT; }
+CUresult cuCtxGetCurrent(CUcontext *ctx) { if (!ctx) return INVALID_VALUE; *ctx = NULL; return SUCCESS; }
+
+static const char *err_name(CUresult e) {
+    switch (e) {
+    case SUCCESS: return "CUDA_SUCCESS";
+    case INVALID_VALUE: return "CUDA_ERROR_INVALID_VALUE";
+    case NOT_INITIALIZED: return "CUDA_ERROR_NOT_INITIALIZED";
+    case NO_DEVICE: return "CUDA_ERROR_NO_DEVICE";
+    case INVALID_DEVICE: return "CUDA_ERROR_INVALID_DEVICE";
+    case INVALID_CONTEXT: return "CUDA_ERROR_INVALID_CONTEXT";
+    case NOT_FOUND: return "CUDA_ERROR_NOT_FOUND";
+    case NOT_SUPPORTED: return "CUDA_ERROR_NOT_SUPPORTED";
+    default: return NULL;
+    }
+}
+
+static const char *err_string(CUresult e) {
+    switch (e) {
+    case SUCCESS: return "no error";
+    case INVALID_VALUE: return "invalid argument";
+    case NOT_INITIALIZED: return "initialization error";
+    case NO_DEVICE: return "no CUDA-capable device is detected";
+    case INVALID_DEVICE: return "invalid device ordinal";
+    case INVALID_CONTEXT: return "invalid device context";
+    case NOT_FOUND: return "named symbol not found";
+    case NOT_SUPPORTED: return "operation not supported (gpu_serde simulated driver)";
+    default: return NULL;
+    }
+}
+
+CUresult cuGetErrorName(CUresult e, const char **s) {
+    if (!s) return INVALID_VALUE;
+    *s = err_name(e);
+    return *s ? SUCCESS : INVALID_VALUE;
+}
+
+CUresult cuGetErrorString(CUresult e, const char **s) {
+    if (!s) return INVALID_VALUE;
+    *s = err_string(e);
+    return *s ? SUCCESS : INVALID_VALUE;
+}
+
+struct sym { const char *name; void *fn; };
+static const struct sym symbols[] = {
+    {"cuInit", (void *)cuInit},
+    {"cuDriverGetVersion", (void *)cuDriverGetVersion},
+    {"cuDeviceGetCount", (void *)cuDeviceGetCount},
+    {"cuDeviceGet", (void *)cuDeviceGet},
+    {"cuDeviceGetName", (void *)cuDeviceGetName},
+    {"cuDeviceGetUuid", (void *)cuDeviceGetUuid_v2},
+    {"cuDeviceGetUuid_v2", (void *)cuDeviceGetUuid_v2},
+    {"cuDeviceGetPCIBusId", (void *)cuDeviceGetPCIBusId},
+    {"cuDeviceTotalMem", (void *)cuDeviceTotalMem_v2},
+    {"cuDeviceTotalMem_v2", (void *)cuDeviceTotalMem_v2},
+    {"cuDeviceGetAttribute", (void *)cuDeviceGetAttribute},
+    {"cuCtxGetDevice", (void *)cuCtxGetDevice},
+    {"cuCtxGetCurrent", (void *)cuCtxGetCurrent},
+    {"cuGetErrorName", (void *)cuGetErrorName},
+    {"cuGetErrorString", (void *)cuGetErrorString},
+    {NULL, NULL},
+};
+
+CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags, int *status) {
+    (void)version; (void)flags;
+    if (!symbol || !pfn) return INVALID_VALUE;
+    for (const struct sym *s = symbols; s->name; s++) {
+        if (strcmp(s->name, symbol) == 0) {
+            *pfn = s->fn;
+            if (status) *status = 0;  /* CU_GET_PROC_ADDRESS_SUCCESS */
+            return SUCCESS;
+        }
+    }
+    *pfn = NULL;
+    if (status) *status = 1;          /* CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND */
+    return NOT_FOUND;
+}
+
+CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, uint64_t flags) {
+    return cuGetProcAddress_v2(symbol, pfn, version, flags, NULL);
+}
+
+/* Marker so that gpu_serde can tell this library from a real driver. */
+const char *gpu_serde_simulated_driver(void) { return "gpu_serde simulated CUDA driver 1"; }

@@ -1,0 +1,110 @@
+"""What gpu_serde payloads are rebuilt by: reconstructors and placeholders.
+
+Pickles name the functions here (``gpu_serde.wire.dev``), so these names are part of the wire
+format: they stay as they are across releases. The names are short because they travel in every
+payload.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from cuda.core import Device
+
+from gpu_serde.errors import DeviceNotVisibleError
+from gpu_serde import inventory as _inventory
+from gpu_serde.inventory import Inventory, inventory
+from gpu_serde.payload import DevicePayload, decode_device, validate_device
+
+# Set by gpu_serde.reducers.install()/uninstall().
+strict = False
+auto_install = True
+
+
+def not_visible_error(p: DevicePayload, inv: Inventory) -> DeviceNotVisibleError:
+    """Build the :class:`DeviceNotVisibleError` for a device payload that ``inv`` cannot resolve."""
+    uuid = p.canonical_uuid
+    msg = (
+        f"GPU {uuid} ({p.name or 'name unknown'}) is not visible in this process.\n"
+        f"It was sent from host {p.host!r}, pid {p.pid}, where it was CUDA device {p.ordinal}.\n"
+        f"Here: host {inv.host!r}, pid {os.getpid()}, {inv.describe()}\n"
+        f"Run this work where that GPU is visible: on host {p.host!r}, in a worker whose "
+        f"CUDA_VISIBLE_DEVICES includes {uuid} (Ray: a task or actor given that GPU; Dask: a worker "
+        "started with it), or send a Device this worker can see."
+    )
+    return DeviceNotVisibleError(msg, uuid=uuid, host=p.host, visible=inv.devices)
+
+
+class UnresolvedDevice:
+    """Stands in for a received ``Device`` whose GPU this process cannot see.
+
+    It re-pickles to the payload it came from (so a scheduler or a CPU-only hop passes it on
+    unchanged); any public attribute, ``int()``, ``operator.index()`` or :func:`gpu_serde.resolve`
+    raises :class:`DeviceNotVisibleError` saying which GPU was meant and what this process sees.
+    """
+
+    __slots__ = ("_inventory", "_payload")
+
+    def __init__(self, payload: tuple, inv: Inventory) -> None:
+        self._payload = payload
+        self._inventory = inv
+
+    def _error(self) -> DeviceNotVisibleError:
+        return not_visible_error(decode_device(self._payload), self._inventory)
+
+    def __reduce__(self):
+        return (dev, (self._payload,))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise self._error()
+
+    def __int__(self) -> int:
+        raise self._error()
+
+    def __index__(self) -> int:
+        raise self._error()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, UnresolvedDevice) and other._payload[1] == self._payload[1]
+
+    def __hash__(self) -> int:
+        return hash(self._payload[1])
+
+    def __dask_tokenize__(self) -> tuple:
+        return ("cuda.core.Device", self._payload[1])
+
+    def __repr__(self) -> str:
+        p = decode_device(self._payload)
+        return (
+            f"<UnresolvedDevice {p.canonical_uuid} ({p.name}) from host {p.host!r}: "
+            "not visible in this process>"
+        )
+
+
+def dev(payload: tuple) -> Device | UnresolvedDevice:
+    """Reconstructor of a device payload: the local ``Device`` whose UUID the payload names.
+
+    Returns an :class:`UnresolvedDevice` when no visible GPU has that UUID (never raises for that,
+    unless ``install(strict=True)``). Receiving a payload installs gpu_serde's reducers in this
+    process (unless :func:`gpu_serde.uninstall` was called), so a Device that came by UUID leaves
+    by UUID.
+
+    Raises:
+        PayloadError: the payload is malformed.
+        DeviceNotVisibleError: in strict mode only.
+    """
+    validate_device(payload)
+    if auto_install:
+        from gpu_serde.reducers import install
+
+        install(strict)
+    inv = _inventory.cached or inventory()
+    ordinal = inv.by_uuid.get(payload[1])
+    if ordinal is not None:
+        return Device(ordinal)
+    if strict:
+        raise not_visible_error(DevicePayload._make(payload), inv)
+    return UnresolvedDevice(payload, inv)

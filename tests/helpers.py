@@ -1,0 +1,47 @@
+"""Run snippets in child processes and read back what they saw."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+CHILD_PRELUDE = """
+import base64, json, os, pickle, sys
+import gpu_serde
+data = base64.b64decode(sys.argv[1]) if len(sys.argv) > 1 else b""
+def report(**kw):
+    print("RESULT " + json.dumps(kw))
+"""
+
+
+def run_child(code: str, env: dict[str, str], data: bytes = b"", timeout: float = 60) -> dict:
+    """Run ``code`` in a fresh Python with ``env``; return what it passed to ``report(...)``."""
+    script = CHILD_PRELUDE + textwrap.dedent(code)
+    done = subprocess.run(
+        [sys.executable, "-c", script, base64.b64encode(data).decode()],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    raise AssertionError(
+        f"child exited {done.returncode} without a result\nstdout:\n{done.stdout}\n"
+        f"stderr:\n{done.stderr}"
+    )
+
+
+def env_without_driver() -> dict[str, str]:
+    """This environment without the simulated driver (and so, on a CPU machine, without any)."""
+    env = dict(os.environ)
+    env.pop("GPU_SERDE_SIM_GPUS", None)
+    env["LD_LIBRARY_PATH"] = ":".join(
+        p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p and "simdriver-" not in p
+    )
+    return env

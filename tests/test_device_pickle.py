@@ -1,0 +1,73 @@
+"""In one process: a Device pickles by UUID and comes back as the very same object."""
+
+import copyreg
+import multiprocessing.reduction
+import pickle
+
+import cloudpickle
+import pytest
+from cuda.core import Device
+
+import gpu_serde
+from gpu_serde.payload import decode_device
+from gpu_serde.wire import dev
+
+
+@pytest.fixture
+def installed(simulated_gpus):
+    gpu_serde.install()
+    yield simulated_gpus
+    gpu_serde.uninstall()
+
+
+def test_visible_devices_lists_the_simulated_gpus_in_order(simulated_gpus):
+    seen = gpu_serde.visible_devices()
+    assert [d.uuid for d in seen] == [g.uuid for g in simulated_gpus]
+    assert [d.ordinal for d in seen] == [0, 1, 2, 3]
+    assert seen[2].pci_bus_id == simulated_gpus[2].pci_bus_id
+
+
+@pytest.mark.parametrize("module", [pickle, cloudpickle], ids=["pickle", "cloudpickle"])
+def test_round_trip_returns_the_identical_device(installed, module):
+    d = Device(2)
+    assert module.loads(module.dumps(d)) is d
+
+
+def test_multiprocessing_pickler_also_sends_the_uuid(installed):
+    blob = bytes(multiprocessing.reduction.ForkingPickler.dumps(Device(1)))
+    assert installed[1].uuid[4:].replace("-", "") in pickle.loads(blob).uuid.replace("-", "")
+    assert b"gpu_serde.wire" in blob
+
+
+def test_the_payload_names_the_gpu_by_uuid_not_ordinal(installed):
+    reducer = copyreg.dispatch_table[Device]
+    fn, (payload,) = reducer(Device(3))
+    assert fn is dev
+    p = decode_device(payload)
+    assert p.canonical_uuid == installed[3].uuid
+    assert p.ordinal == 3
+
+
+def test_install_is_idempotent_and_uninstall_restores_cuda_cores_pickle(simulated_gpus):
+    gpu_serde.install()
+    gpu_serde.install()
+    assert b"gpu_serde" in pickle.dumps(Device(0))
+    gpu_serde.uninstall()
+    assert b"gpu_serde" not in pickle.dumps(Device(0))
+    assert Device not in copyreg.dispatch_table
+    assert Device not in multiprocessing.reduction.ForkingPickler._extra_reducers
+    gpu_serde.uninstall()
+
+
+def test_payloads_still_unpickle_after_uninstall(simulated_gpus):
+    gpu_serde.install()
+    blob = pickle.dumps(Device(1))
+    gpu_serde.uninstall()
+    assert pickle.loads(blob) is Device(1)
+    assert b"gpu_serde" not in pickle.dumps(Device(1))  # no silent re-install after opting out
+
+
+def test_resolve_passes_real_objects_through(installed):
+    d = Device(0)
+    assert gpu_serde.resolve(d) is d
+    assert gpu_serde.resolve(42) == 42
