@@ -77,7 +77,7 @@ def describe_cuda_visible_devices(value: str | None) -> str:
 
 
 def mig_prefixes(cvd: str | None) -> list[str]:
-    """Return the hex digits of every ``MIG-`` entry in ``CUDA_VISIBLE_DEVICES`` (lowercase, no dashes)."""
+    """Return the lowercase hex digits of each ``MIG-`` entry of ``CUDA_VISIBLE_DEVICES``."""
     if not cvd:
         return []
     return [

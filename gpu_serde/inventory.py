@@ -28,7 +28,7 @@ class Inventory:
     Attributes:
         devices: the visible GPUs in ordinal order.
         reason: why ``devices`` is empty (``""`` when it is not).
-        cuda_visible_devices: ``CUDA_VISIBLE_DEVICES`` when the snapshot was taken (``None``: unset).
+        cuda_visible_devices: ``CUDA_VISIBLE_DEVICES`` at the snapshot (``None``: unset).
         host: this host's name.
         pid: the id of the process that took the snapshot.
         simulated: True when the driver is gpu_serde's stand-in (:mod:`gpu_serde.testing`).
@@ -47,7 +47,10 @@ class Inventory:
         cvd = describe_cuda_visible_devices(self.cuda_visible_devices)
         now = cuda_visible_devices()
         if now != self.cuda_visible_devices:
-            cvd += f" at CUDA initialisation (now {describe_cuda_visible_devices(now)}; CUDA ignores later changes)"
+            cvd += (
+                f" at CUDA initialisation (now {describe_cuda_visible_devices(now)};"
+                " CUDA ignores later changes)"
+            )
         lines = [f"CUDA_VISIBLE_DEVICES={cvd}"]
         if self.devices:
             sim = " (simulated driver)" if self.simulated else ""
@@ -127,7 +130,8 @@ def inventory() -> Inventory:
     """Return this process's :class:`Inventory`, enumerating the driver on the first call.
 
     CUDA reads ``CUDA_VISIBLE_DEVICES`` once per process, so the answer is cached for the process's
-    life (a forked child keeps its parent's view, as CUDA does). Never raises for a missing driver or GPU.
+    life (a forked child keeps its parent's view, as CUDA does). Never raises for a missing
+    driver or GPU.
     """
     global cached
     inv = cached
@@ -144,6 +148,7 @@ def visible_devices() -> list[DeviceInfo]:
 
     Each entry is a :class:`DeviceInfo` (ordinal, canonical UUID, name, PCI bus id). The list comes
     from the driver's enumeration in this process, so it reflects ``CUDA_VISIBLE_DEVICES`` as CUDA
-    applied it. Never raises and never creates a CUDA context; :func:`inventory` says why a list is empty.
+    applied it. Never raises and never creates a CUDA context; :func:`inventory` says why a list
+    is empty.
     """
     return list(inventory().devices)

@@ -59,7 +59,8 @@ def validate_device(p: object) -> tuple:
     """Check a device wire tuple and return it unchanged.
 
     Raises:
-        PayloadError: not a tuple, wrong length, unknown version, or a field of the wrong type or size.
+        PayloadError: not a tuple, wrong length, unknown version, or a field of the wrong type
+            or size.
     """
     if type(p) is tuple and len(p) == 7:  # the fast path: locals, no allocation
         v, uuid, flags, ordinal, pid, host, name = p

@@ -1,4 +1,4 @@
-"""Pickle registration for cuda.core objects: reducers, ``install()``/``uninstall()``, ``resolve()``.
+"""Pickle registration for cuda.core objects: reducers, ``install``/``uninstall``, ``resolve``.
 
 ``install()`` registers a reducer for :class:`cuda.core.Device` in :mod:`copyreg` (used by stdlib
 pickle, cloudpickle, Ray and Dask) and in :mod:`multiprocessing.reduction`. The reducer sends a

@@ -12,8 +12,8 @@ from typing import Any
 
 from cuda.core import Device
 
-from gpu_serde.errors import DeviceNotVisibleError
 from gpu_serde import inventory as _inventory
+from gpu_serde.errors import DeviceNotVisibleError
 from gpu_serde.inventory import Inventory, inventory
 from gpu_serde.payload import DevicePayload, decode_device, validate_device
 
@@ -30,8 +30,8 @@ def not_visible_error(p: DevicePayload, inv: Inventory) -> DeviceNotVisibleError
         f"It was sent from host {p.host!r}, pid {p.pid}, where it was CUDA device {p.ordinal}.\n"
         f"Here: host {inv.host!r}, pid {os.getpid()}, {inv.describe()}\n"
         f"Run this work where that GPU is visible: on host {p.host!r}, in a worker whose "
-        f"CUDA_VISIBLE_DEVICES includes {uuid} (Ray: a task or actor given that GPU; Dask: a worker "
-        "started with it), or send a Device this worker can see."
+        f"CUDA_VISIBLE_DEVICES includes {uuid} (Ray: a task or actor given that GPU; Dask: a "
+        "worker started with it), or send a Device this worker can see."
     )
     return DeviceNotVisibleError(msg, uuid=uuid, host=p.host, visible=inv.devices)
 

@@ -13,7 +13,6 @@ def gpu_tier(config: pytest.Config) -> bool:
 @pytest.fixture(scope="session")
 def real_gpu(request: pytest.FixtureRequest):
     """The real GPU tier's device list; fails (never skips) when no real GPU is visible."""
-    from gpu_serde import visible_devices
     from gpu_serde.inventory import inventory
 
     inv = inventory()

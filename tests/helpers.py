@@ -45,3 +45,19 @@ def env_without_driver() -> dict[str, str]:
         p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p and "simdriver-" not in p
     )
     return env
+
+
+def report_device(queue, device) -> None:
+    """multiprocessing target: put what the child received on ``queue``."""
+    import gpu_serde
+
+    try:
+        d = gpu_serde.resolve(device)
+        queue.put(("ok", d.device_id, d.uuid))
+    except gpu_serde.DeviceNotVisibleError as exc:
+        queue.put(("not visible", exc.uuid, str(exc)))
+
+
+def echo_from_queue(inbox, outbox) -> None:
+    """multiprocessing target: read a Device from ``inbox``, report it on ``outbox``."""
+    report_device(outbox, inbox.get(timeout=60))

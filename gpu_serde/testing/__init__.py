@@ -6,7 +6,8 @@ case; the list stops at the first entry that names no GPU). cuda.core sees real 
 with UUIDs, names, PCI ids and a compute capability of 9.0.
 
 It does **not** simulate contexts, memory, memory pools, IPC, streams, events, kernels, NVML, or the
-CUDA runtime (so ``Device.pci_bus_id``, ``set_current()`` and allocations fail): those need a real GPU.
+CUDA runtime (so ``Device.pci_bus_id``, ``set_current()`` and allocations fail): those need a
+real GPU.
 Ray does not count simulated GPUs (it asks NVML): give Ray ``num_gpus`` yourself.
 """
 
@@ -39,7 +40,7 @@ _SOURCE = Path(__file__).with_name("simdriver.c")
 
 
 class SimulatedDriverError(RuntimeError):
-    """The simulated driver cannot be built or used here (no C compiler, a real driver present, ...)."""
+    """The simulated driver cannot be built or used here (no C compiler, a real driver present)."""
 
 
 @dataclass(frozen=True)
@@ -114,14 +115,16 @@ def _is_ours(path: str) -> bool:
         return False
 
 
-def real_driver_present() -> bool:
-    """True if a real ``libcuda.so.1`` is loaded in this process or found by the system loader."""
+def real_driver_present(env: Mapping[str, str] | None = None) -> bool:
+    """True if a real ``libcuda.so.1`` is loaded here, on ``env``'s ``LD_LIBRARY_PATH`` (default:
+    this process's) or known to the system loader."""
     try:
         loaded = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD)
-        return not hasattr(loaded, "gpu_serde_simulated_driver")
+        if not hasattr(loaded, "gpu_serde_simulated_driver"):
+            return True
     except OSError:
         pass
-    for d in os.environ.get("LD_LIBRARY_PATH", "").split(":"):
+    for d in (os.environ if env is None else env).get("LD_LIBRARY_PATH", "").split(":"):
         candidate = os.path.join(d, "libcuda.so.1")
         if d and os.path.exists(candidate) and not _is_ours(candidate):
             return True
@@ -158,7 +161,7 @@ def child_env(
         SimulatedDriverError: a real driver is present and ``allow_real_driver`` is False, or the
             stand-in cannot be built.
     """
-    if not allow_real_driver and real_driver_present():
+    if not allow_real_driver and real_driver_present(base):
         raise SimulatedDriverError(
             "a real CUDA driver is present here; gpu_serde will not shadow it with simulated GPUs "
             "(pass allow_real_driver=True to do so anyway)"
@@ -198,4 +201,5 @@ def activate(
         os.environ["CUDA_VISIBLE_DEVICES"] = env["CUDA_VISIBLE_DEVICES"]
     else:
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-    ctypes.CDLL(os.path.join(env["LD_LIBRARY_PATH"].split(":")[0], "libcuda.so.1"), mode=os.RTLD_GLOBAL)
+    folder = env["LD_LIBRARY_PATH"].split(":")[0]
+    ctypes.CDLL(os.path.join(folder, "libcuda.so.1"), mode=os.RTLD_GLOBAL)

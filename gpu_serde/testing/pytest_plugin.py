@@ -1,4 +1,4 @@
-"""pytest fixtures for simulated GPUs (registered automatically through the ``pytest11`` entry point).
+"""pytest fixtures for simulated GPUs (registered through the ``pytest11`` entry point).
 
 ``simulated_gpus``: four simulated GPUs active in the test process (session scope), all visible.
 ``sim_env``: a factory ``sim_env(visible=None, gpus=None) -> dict`` of child environments.

@@ -1,0 +1,126 @@
+"""Across processes: a child whose GPUs are numbered differently receives the same physical GPU."""
+
+import multiprocessing
+import pickle
+
+import pytest
+from cuda.core import Device
+
+import gpu_serde
+from helpers import echo_from_queue, env_without_driver, report_device, run_child
+
+RECEIVE = """
+d = pickle.loads(data)
+try:
+    real = gpu_serde.resolve(d)
+    report(kind="device", ordinal=real.device_id, uuid=real.uuid)
+except gpu_serde.DeviceNotVisibleError as exc:
+    report(kind="not visible", uuid=exc.uuid, host=exc.host, message=str(exc),
+           placeholder=type(d).__name__, repickled=pickle.dumps(d) == data)
+"""
+
+
+@pytest.fixture
+def installed(simulated_gpus):
+    gpu_serde.install()
+    yield simulated_gpus
+    gpu_serde.uninstall()
+
+
+def bare(uuid: str) -> str:
+    return uuid[4:]  # cuda.core's Device.uuid has no GPU- prefix
+
+
+def test_reversed_order_child_gets_the_same_gpu_at_its_own_ordinal(installed, sim_env):
+    gpus = installed
+    blob = pickle.dumps(Device(0))
+    got = run_child(RECEIVE, sim_env([g.uuid for g in reversed(gpus)]), blob)
+    assert got == {"kind": "device", "ordinal": 3, "uuid": bare(gpus[0].uuid)}
+
+
+def test_integer_cuda_visible_devices_are_followed(installed, sim_env):
+    got = run_child(RECEIVE, sim_env("2,1"), pickle.dumps(Device(1)))
+    assert got == {"kind": "device", "ordinal": 1, "uuid": bare(installed[1].uuid)}
+
+
+def test_child_selecting_by_uuid_prefix_gets_the_right_gpu(installed, sim_env):
+    gpus = installed
+    prefix = gpus[3].uuid[:12].upper()  # GPU-xxxxxxxx, as users write it
+    got = run_child(RECEIVE, sim_env(f"{prefix},{gpus[1].uuid}"), pickle.dumps(Device(3)))
+    assert got == {"kind": "device", "ordinal": 0, "uuid": bare(gpus[3].uuid)}
+
+
+@pytest.mark.parametrize("start", ["spawn", "forkserver"])
+def test_process_arguments_carry_the_uuid(installed, monkeypatch, start):
+    gpus = installed
+    ctx = multiprocessing.get_context(start)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", f"{gpus[2].uuid},{gpus[1].uuid}")
+    queue = ctx.Queue()
+    child = ctx.Process(target=report_device, args=(queue, Device(1)))
+    child.start()
+    try:
+        assert queue.get(timeout=60) == ("ok", 1, bare(gpus[1].uuid))
+    finally:
+        child.join(30)
+    assert child.exitcode == 0
+
+
+def test_a_queue_carries_the_uuid(installed, monkeypatch):
+    gpus = installed
+    ctx = multiprocessing.get_context("spawn")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(g.uuid for g in reversed(gpus)))
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=echo_from_queue, args=(inbox, outbox))
+    child.start()
+    try:
+        inbox.put(Device(2))
+        assert outbox.get(timeout=60) == ("ok", 1, bare(gpus[2].uuid))
+    finally:
+        child.join(30)
+
+
+@pytest.mark.parametrize("visible", ["other", "empty", "no-driver"])
+def test_a_child_that_cannot_see_the_gpu_raises_when_it_uses_it(installed, sim_env, visible):
+    gpus = installed
+    env = {
+        "other": lambda: sim_env([gpus[1].uuid]),
+        "empty": lambda: sim_env(""),
+        "no-driver": env_without_driver,
+    }[visible]()
+    blob = pickle.dumps(Device(0))
+    got = run_child(RECEIVE, env, blob)
+    assert got["kind"] == "not visible"
+    assert got["uuid"] == gpus[0].uuid
+    assert got["placeholder"] == "UnresolvedDevice"
+    assert got["repickled"] is True  # a CPU-only hop forwards it untouched
+    reason = {
+        "other": gpus[1].uuid,
+        "empty": "CUDA_VISIBLE_DEVICES is empty",
+        "no-driver": "no CUDA driver",
+    }[visible]
+    assert reason in got["message"]
+    assert gpus[0].uuid in got["message"]
+
+
+def test_strict_child_raises_at_unpickling(installed, sim_env):
+    code = """
+gpu_serde.install(strict=True)
+try:
+    pickle.loads(data)
+    report(raised=None)
+except gpu_serde.DeviceNotVisibleError as exc:
+    report(raised=type(exc).__name__, uuid=exc.uuid)
+"""
+    got = run_child(code, sim_env(""), pickle.dumps(Device(2)))
+    assert got == {"raised": "DeviceNotVisibleError", "uuid": installed[2].uuid}
+
+
+def test_a_process_that_never_installed_still_unpickles_and_sends_on_by_uuid(installed, sim_env):
+    code = """
+from gpu_serde.reducers import is_installed
+before = is_installed()
+d = pickle.loads(data)
+report(before=before, ordinal=d.device_id, after=is_installed(), resent=b"gpu_serde" in pickle.dumps(d))
+"""
+    got = run_child(code, sim_env([installed[3].uuid]), pickle.dumps(Device(3)))
+    assert got == {"before": False, "ordinal": 0, "after": True, "resent": True}
