@@ -65,6 +65,13 @@ class Inventory:
 
 _lock = threading.Lock()
 cached: Inventory | None = None  # read directly on hot paths
+role = ""  # what this process is, for error messages ("dask worker tcp://...", "ray worker ...")
+
+
+def set_role(text: str) -> None:
+    """Name this process's role in the cluster; error messages show it beside host and pid."""
+    global role
+    role = text
 
 
 def _hostname() -> str:

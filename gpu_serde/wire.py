@@ -28,7 +28,8 @@ def not_visible_error(p: DevicePayload, inv: Inventory) -> DeviceNotVisibleError
     msg = (
         f"GPU {uuid} ({p.name or 'name unknown'}) is not visible in this process.\n"
         f"It was sent from host {p.host!r}, pid {p.pid}, where it was CUDA device {p.ordinal}.\n"
-        f"Here: host {inv.host!r}, pid {os.getpid()}, {inv.describe()}\n"
+        f"Here: {_inventory.role + ', ' if _inventory.role else ''}host {inv.host!r}, "
+        f"pid {os.getpid()}, {inv.describe()}\n"
         f"Run this work where that GPU is visible: on host {p.host!r}, in a worker whose "
         f"CUDA_VISIBLE_DEVICES includes {uuid} (Ray: a task or actor given that GPU; Dask: a "
         "worker started with it), or send a Device this worker can see."

@@ -1,0 +1,83 @@
+"""Dask adapter: a worker plugin and preload that resolve GPU identity on every worker.
+
+From a client::
+
+    import gpu_serde.dask
+    gpu_serde.dask.register(client)
+
+Or from the command line: ``dask worker --preload gpu_serde.dask`` and
+``dask scheduler --preload gpu_serde.dask``. The scheduler needs gpu_serde installed (it unpickles
+and re-pickles task arguments) but no GPU and no CUDA driver.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from cuda.core import Device
+from dask.tokenize import normalize_token
+from distributed.diagnostics.plugin import WorkerPlugin
+
+from gpu_serde.identity import uuid_bytes
+from gpu_serde.inventory import inventory, set_role
+from gpu_serde.reducers import install
+
+logger = logging.getLogger("gpu_serde.dask")
+
+
+@normalize_token.register(Device)
+def _tokenize_device(dev: Device) -> tuple:
+    """Devices hash by UUID, so task keys do not depend on the local ordinal."""
+    devices = inventory().devices
+    ordinal = dev.device_id
+    raw = uuid_bytes(devices[ordinal].uuid) if ordinal < len(devices) else uuid_bytes(dev.uuid)
+    return ("cuda.core.Device", raw)
+
+
+def _setup_worker(worker: Any) -> None:
+    install()
+    set_role(f"dask worker {worker.address}")
+    inv = inventory()
+    logger.debug(
+        "gpu_serde: dask worker %s pid %d:\n%s", worker.address, os.getpid(), inv.describe()
+    )
+
+
+class GPUSerdePlugin(WorkerPlugin):
+    """Distributed ``WorkerPlugin`` that installs gpu_serde on a worker.
+
+    ``setup`` installs the reducers, warms the GPU inventory and names the worker in error
+    messages. It is idempotent (registering it again is a no-op) and has the fixed name
+    ``"gpu_serde"``.
+    """
+
+    idempotent = True
+    name = "gpu_serde"
+
+    def setup(self, worker: Any) -> None:
+        """Install gpu_serde in ``worker``'s process."""
+        _setup_worker(worker)
+
+
+def register(client: Any) -> None:
+    """Install gpu_serde in this process and on every current and future worker of ``client``.
+
+    Args:
+        client: a connected ``distributed.Client``.
+    """
+    install()
+    set_role("dask client")
+    client.register_plugin(GPUSerdePlugin())
+
+
+def dask_setup(service: Any) -> None:
+    """Preload hook: ``dask worker --preload gpu_serde.dask`` / ``dask scheduler --preload ...``."""
+    from distributed import Worker
+
+    if isinstance(service, Worker):
+        _setup_worker(service)
+    else:
+        install()
+        set_role(f"dask {type(service).__name__.lower()} {getattr(service, 'address', '')}")

@@ -1,0 +1,237 @@
+"""Ray: a Device keeps its GPU across tasks, actors, nodes and the object store.
+
+Two worker nodes on loopback, each given two simulated GPUs in its own order (UUID form), as a
+raylet does for a multi-GPU host; the driver sees all four GPUs in the host's order.
+"""
+
+import os
+import sys
+from dataclasses import dataclass
+
+import pytest
+import ray
+import ray.cloudpickle
+from cuda.core import Device
+from ray.cluster_utils import Cluster
+
+import gpu_serde
+import gpu_serde.ray
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+MiB = 1024 * 1024
+
+
+@dataclass
+class Job:
+    """A user's task input that carries a Device inside."""
+
+    name: str
+    device: object
+
+
+@pytest.fixture(scope="module")
+def cluster(simulated_gpus):
+    g = simulated_gpus
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "num_gpus": 0, "object_store_memory": 80 * MiB},
+    )
+    nodes = {
+        "a": [g[1].uuid, g[0].uuid],
+        "b": [g[3].uuid, g[2].uuid],
+    }
+    for name, order in nodes.items():
+        c.add_node(
+            num_cpus=4,
+            num_gpus=2,
+            resources={f"node_{name}": 100},
+            object_store_memory=80 * MiB,
+            env_vars={"CUDA_VISIBLE_DEVICES": ",".join(order)},
+        )
+    gpu_serde.ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
+    yield nodes
+    ray.shutdown()
+    c.shutdown()
+    gpu_serde.uninstall()
+
+
+def on(node: str) -> dict:
+    return {"resources": {f"node_{node}": 1}}
+
+
+@ray.remote(max_retries=0)
+def where_is(device) -> tuple:
+    d = gpu_serde.resolve(device)
+    assert gpu_serde.visible_devices()[d.device_id].uuid[4:] == d.uuid
+    return (d.device_id, d.uuid, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+@ray.remote(max_retries=0)
+def visible() -> list:
+    return [d.uuid for d in gpu_serde.visible_devices()]
+
+
+@ray.remote(num_gpus=1)
+class GPUActor:
+    def __init__(self, device=None):
+        self.received = None if device is None else gpu_serde.resolve(device).uuid
+
+    def gpu(self) -> str:
+        """The GPU Ray assigned to this actor (a reused worker's CUDA may see more)."""
+        (assigned,) = os.environ["CUDA_VISIBLE_DEVICES"].split(",")
+        return assigned
+
+    def my_device(self):
+        mine = self.gpu()
+        return Device(next(d.ordinal for d in gpu_serde.visible_devices() if d.uuid == mine))
+
+    def use(self, device) -> str:
+        d = gpu_serde.resolve(device)
+        assert gpu_serde.visible_devices()[d.device_id].uuid[4:] == d.uuid
+        return d.uuid
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def constructed_with(self):
+        return self.received
+
+
+def bare(uuid: str) -> str:
+    return uuid[4:]
+
+
+def driver_device(uuid: str) -> Device:
+    ordinal = next(d.ordinal for d in gpu_serde.visible_devices() if d.uuid == uuid)
+    return Device(ordinal)
+
+
+@pytest.mark.parametrize("node", ["a", "b"])
+def test_a_task_given_both_gpus_of_a_node_gets_each_device_at_its_own_ordinal(cluster, node):
+    order = cluster[node]
+    # A runtime_env of its own gives the task a fresh worker pool (Ray keys workers by it), so no
+    # worker whose CUDA was initialised under a one-GPU assignment is reused here.
+    fresh = {"env_vars": {"GPU_SERDE_TEST_POOL": f"both-{node}"}}
+    for local, uuid in enumerate(order):
+        task = where_is.options(num_gpus=2, runtime_env=fresh, **on(node))
+        ref = task.remote(driver_device(uuid))
+        ordinal, got, _ = ray.get(ref)
+        assert (ordinal, got) == (local, bare(uuid))
+
+
+def test_num_gpus_1_tasks_receive_the_gpu_with_the_same_uuid(cluster):
+    for node, order in cluster.items():
+        for uuid in order:
+            for _ in range(2):
+                ref = where_is.options(num_gpus=1, **on(node)).remote(driver_device(uuid))
+                try:
+                    ordinal, got, _ = ray.get(ref)
+                except gpu_serde.DeviceNotVisibleError as exc:
+                    # Ray gave this task the node's other GPU: the error says which was meant.
+                    assert exc.uuid == uuid
+                    assert uuid not in [v.uuid for v in exc.visible]
+                    continue
+                # Ray may reuse a worker whose CUDA was initialised under an earlier assignment
+                # (FACTS: CUDA reads CUDA_VISIBLE_DEVICES once): the ordinal is that process's,
+                # the GPU is the same physical one.
+                assert got == bare(uuid)
+                assert ordinal in (0, 1)
+
+
+def test_actors_receive_the_same_gpu_in_constructor_and_methods(cluster):
+    actors = {
+        node: [GPUActor.options(**on(node)).remote() for _ in order]
+        for node, order in cluster.items()
+    }
+    for node, group in actors.items():
+        held = ray.get([a.gpu.remote() for a in group])
+        assert sorted(held) == sorted(cluster[node])
+        for actor, uuid in zip(group, held):
+            assert ray.get(actor.use.remote(driver_device(uuid))) == bare(uuid)
+    for group in actors.values():
+        for a in group:
+            ray.kill(a)
+    g = gpu_serde.visible_devices()
+    actor = GPUActor.options(**on("a")).remote(driver_device(cluster["a"][0]))
+    try:
+        held = ray.get(actor.gpu.remote())
+        if held == cluster["a"][0]:
+            assert ray.get(actor.constructed_with.remote()) == bare(held)
+    finally:
+        ray.kill(actor)
+    assert g  # the driver saw the host's GPUs throughout
+
+
+def test_a_gpu_the_actor_was_not_given_raises_a_catchable_error_and_the_worker_survives(cluster):
+    actor = GPUActor.options(**on("b")).remote()
+    try:
+        mine = ray.get(actor.gpu.remote())
+        pid = ray.get(actor.pid.remote())
+        other = next(u for u in cluster["a"])
+        with pytest.raises(gpu_serde.DeviceNotVisibleError) as info:
+            ray.get(actor.use.remote(driver_device(other)))
+        assert info.value.uuid == other
+        assert other in str(info.value) and mine in str(info.value)
+        assert "ray worker" in str(info.value)
+        assert ray.get(actor.pid.remote()) == pid  # same process, no restart
+        assert ray.get(actor.use.remote(driver_device(mine))) == bare(mine)
+    finally:
+        ray.kill(actor)
+
+
+def test_an_actor_returns_its_device_to_the_driver_and_to_another_task(cluster):
+    actor = GPUActor.options(**on("a")).remote()
+    try:
+        uuid = ray.get(actor.gpu.remote())
+        ref = actor.my_device.remote()
+        at_driver = ray.get(ref)
+        assert isinstance(at_driver, Device)
+        assert at_driver.uuid == bare(uuid)
+        # worker -> worker through the ObjectRef; a num_gpus=0 task sees every GPU of its node
+        _, got, _ = ray.get(where_is.options(**on("a")).remote(ref))
+        assert got == bare(uuid)
+    finally:
+        ray.kill(actor)
+
+
+def test_nested_containers_and_ray_put_keep_each_gpu(cluster):
+    order_b = cluster["b"]
+
+    @ray.remote(max_retries=0)
+    def describe(obj) -> dict:
+        def one(d):
+            return "missing" if isinstance(d, gpu_serde.UnresolvedDevice) else (d.device_id, d.uuid)
+
+        return {
+            "list": [one(d) for d in obj["list"]],
+            "tuple": one(obj["nested"][0][0]),
+            "job": one(obj["job"].device),
+        }
+
+    payload = {
+        "list": [driver_device(order_b[1]), driver_device(cluster["a"][0])],
+        "nested": ((driver_device(order_b[0]),),),
+        "job": Job("train", driver_device(order_b[1])),
+    }
+    expected = {
+        "list": [(1, bare(order_b[1])), "missing"],
+        "tuple": (0, bare(order_b[0])),
+        "job": (1, bare(order_b[1])),
+    }
+    assert ray.get(describe.options(**on("b")).remote(payload)) == expected
+    assert ray.get(describe.options(**on("b")).remote(ray.put(payload))) == expected
+    assert ray.get(ray.put(payload))["job"].device is payload["job"].device
+
+
+def test_runtime_env_merges_the_hook_and_refuses_to_replace_another():
+    env = gpu_serde.ray.runtime_env({"env_vars": {"A": "1"}})
+    assert env == {
+        "env_vars": {"A": "1"},
+        "worker_process_setup_hook": "gpu_serde.ray.setup_worker",
+    }
+    assert gpu_serde.ray.runtime_env(env) == env
+    with pytest.raises(ValueError, match="setup_worker"):
+        gpu_serde.ray.runtime_env({"worker_process_setup_hook": "mine.hook"})
+    with pytest.raises(TypeError):
+        gpu_serde.ray.runtime_env(["not", "a", "dict"])
