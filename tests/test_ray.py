@@ -147,7 +147,7 @@ def test_actors_receive_the_same_gpu_in_constructor_and_methods(cluster):
     for node, group in actors.items():
         held = ray.get([a.gpu.remote() for a in group])
         assert sorted(held) == sorted(cluster[node])
-        for actor, uuid in zip(group, held):
+        for actor, uuid in zip(group, held, strict=True):
             assert ray.get(actor.use.remote(driver_device(uuid))) == bare(uuid)
     for group in actors.values():
         for a in group:

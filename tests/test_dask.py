@@ -1,0 +1,244 @@
+"""Dask: every worker resolves a Device to the same physical GPU, whatever its local numbering.
+
+Four workers see four simulated GPUs rotated as dask-cuda does (``visible[i:] + visible[:i]``, so
+each worker's ordinal 0 is another GPU), and a fifth worker sees none. Each scenario runs on a
+cluster built in Python (``SpecCluster`` + ``register(client)``) and on one started with the CLIs
+(``dask scheduler`` without any CUDA driver, ``dask worker --preload gpu_serde.dask``).
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import dask
+import dask.bag as db
+import pytest
+from cuda.core import Device
+from distributed import Client, Nanny, Scheduler, SpecCluster
+
+import gpu_serde
+import gpu_serde.dask
+from gpu_serde.reducers import reduce_device
+from gpu_serde.wire import UnresolvedDevice
+from helpers import env_without_driver
+
+DASK = os.path.join(os.path.dirname(sys.executable), "dask")
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def with_tests_importable(env: dict[str, str]) -> dict[str, str]:
+    """CLI-started processes import this module's task functions, as users deploy their code."""
+    return dict(env, PYTHONPATH=os.pathsep.join(p for p in (HERE, env.get("PYTHONPATH")) if p))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rotations(uuids: list[str]) -> dict[str, str]:
+    spec = {f"w{i}": ",".join(uuids[i:] + uuids[:i]) for i in range(len(uuids))}
+    spec["blind"] = ""
+    return spec
+
+
+def spec_cluster(env_by_name: dict[str, str]):
+    workers = {
+        name: {
+            "cls": Nanny,
+            "options": {"nthreads": 1, "host": "127.0.0.1", "env": {"CUDA_VISIBLE_DEVICES": cvd}},
+        }
+        for name, cvd in env_by_name.items()
+    }
+    cluster = SpecCluster(
+        workers=workers,
+        scheduler={"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": ":0"}},
+    )
+    client = Client(cluster)
+    gpu_serde.dask.register(client)
+    return client, cluster.close
+
+
+def cli_cluster(env_by_name: dict[str, str], folder):
+    file = str(folder / "scheduler.json")
+    procs = []
+    common = ["--no-dashboard"]
+    procs.append(
+        subprocess.Popen(
+            [
+                DASK,
+                "scheduler",
+                "--host",
+                "127.0.0.1",
+                "--scheduler-file",
+                file,
+                "--preload",
+                "gpu_serde.dask",
+                *common,
+            ],
+            env=with_tests_importable(env_without_driver()),  # no GPU, no CUDA driver
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    )
+    for name, cvd in env_by_name.items():
+        env = with_tests_importable(dict(os.environ, CUDA_VISIBLE_DEVICES=cvd))
+        procs.append(
+            subprocess.Popen(
+                [
+                    DASK,
+                    "worker",
+                    "--scheduler-file",
+                    file,
+                    "--name",
+                    name,
+                    "--nthreads",
+                    "1",
+                    "--host",
+                    "127.0.0.1",
+                    "--preload",
+                    "gpu_serde.dask",
+                    *common,
+                ],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+    deadline = time.monotonic() + 60
+    while not os.path.exists(file) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    client = Client(scheduler_file=file, timeout=60)
+    gpu_serde.install()
+
+    def close():
+        client.close()
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+    return client, close
+
+
+@pytest.fixture(scope="module", params=["python", "cli"])
+def dask_cluster(request, simulated_gpus, tmp_path_factory):
+    uuids = [g.uuid for g in simulated_gpus]
+    env = rotations(uuids)
+    if request.param == "python":
+        client, close = spec_cluster(env)
+    else:
+        client, close = cli_cluster(env, tmp_path_factory.mktemp("dask"))
+    try:
+        client.wait_for_workers(len(env), timeout=120)
+        info = client.scheduler_info(n_workers=-1)["workers"]
+        by_name = {w["name"]: addr for addr, w in info.items()}
+        yield client, by_name, uuids
+    finally:
+        client.close()
+        close()
+        gpu_serde.uninstall()
+
+
+def where(device) -> tuple:
+    d = gpu_serde.resolve(device)
+    return (d.device_id, d.uuid)
+
+
+def local_ordinal(worker: str, uuid: str, uuids: list[str]) -> int:
+    i = int(worker[1:])
+    return (uuids[i:] + uuids[:i]).index(uuid)
+
+
+def test_each_rotated_worker_gets_the_same_gpu_at_its_own_ordinal(dask_cluster):
+    client, workers, uuids = dask_cluster
+    for name in ("w0", "w1", "w2", "w3"):
+        futures = [
+            client.submit(where, Device(k), workers=[workers[name]], pure=False) for k in range(4)
+        ]
+        got = client.gather(futures)
+        assert got == [(local_ordinal(name, u, uuids), u[4:]) for u in uuids]
+
+
+def test_a_worker_that_cannot_see_the_gpu_raises_and_keeps_serving(dask_cluster):
+    client, workers, uuids = dask_cluster
+    blind = workers["blind"]
+    bad = client.submit(where, Device(1), workers=[blind], pure=False)
+    fine = client.submit(where, Device(1), workers=[workers["w1"]], pure=False)
+    with pytest.raises(gpu_serde.DeviceNotVisibleError) as info:
+        bad.result(timeout=60)
+    assert info.value.uuid == uuids[1]
+    assert "CUDA_VISIBLE_DEVICES is empty" in str(info.value)
+    assert "dask worker" in str(info.value)
+    assert fine.result(timeout=60) == (0, uuids[1][4:])
+    nxt = client.submit(os.getpid, workers=[blind], pure=False)
+    assert isinstance(nxt.result(timeout=60), int)
+    assert blind in client.scheduler_info(n_workers=-1)["workers"]  # same address: no restart
+
+
+def test_a_result_device_resolves_on_the_client(dask_cluster):
+    client, workers, uuids = dask_cluster
+
+    def first_gpu():
+        return Device(0)
+
+    fut = client.submit(first_gpu, workers=[workers["w2"]], pure=False)
+    dev = fut.result(timeout=60)
+    assert isinstance(dev, Device)
+    assert dev.uuid == uuids[2][4:]
+    assert dev.device_id == 2  # the client sees the host's GPUs in host order
+
+
+def test_worker_to_worker_transfer_keeps_the_uuid(dask_cluster):
+    client, workers, uuids = dask_cluster
+
+    def first_gpu():
+        return Device(0)
+
+    made = client.submit(first_gpu, workers=[workers["w1"]], pure=False)  # uuids[1]
+    moved = client.submit(where, made, workers=[workers["w3"]], pure=False)
+    assert moved.result(timeout=60) == (local_ordinal("w3", uuids[1], uuids), uuids[1][4:])
+
+
+def test_scatter_delayed_bags_and_run_keep_the_uuid(dask_cluster):
+    client, workers, uuids = dask_cluster
+    w2 = workers["w2"]
+    [scattered] = client.scatter([Device(3)], workers=[w2])
+    got = client.submit(where, scattered, workers=[w2], pure=False).result(timeout=60)
+    assert got == (local_ordinal("w2", uuids[3], uuids), uuids[3][4:])
+
+    lazy = dask.delayed(where)(Device(0))
+    assert client.compute(lazy, workers=[workers["w3"]]).result(timeout=60) == (
+        local_ordinal("w3", uuids[0], uuids),
+        uuids[0][4:],
+    )
+
+    bag = db.from_sequence([Device(0), Device(1)], npartitions=1).map(where)
+    assert client.compute(bag, workers=[workers["w1"]]).result(timeout=60) == [
+        (local_ordinal("w1", uuids[k], uuids), uuids[k][4:]) for k in (0, 1)
+    ]
+
+    ran = client.run(where, Device(2), on_error="return")
+    for address, result in ran.items():
+        name = next(n for n, a in workers.items() if a == address)
+        if name == "blind":
+            assert isinstance(result, gpu_serde.DeviceNotVisibleError)
+        else:
+            assert result == (local_ordinal(name, uuids[2], uuids), uuids[2][4:])
+
+
+def test_devices_tokenize_by_uuid(simulated_gpus):
+    gpu_serde.install()
+    try:
+        _, (payload,) = reduce_device(Device(1))
+        stranger = UnresolvedDevice(payload, None)  # the same GPU, as a CPU-only process holds it
+        assert dask.base.tokenize(Device(1)) == dask.base.tokenize(stranger)
+        assert dask.base.tokenize(Device(1)) != dask.base.tokenize(Device(2))
+    finally:
+        gpu_serde.uninstall()
