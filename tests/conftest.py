@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Keep every Ray address on loopback: with this set, Ray (read at import) uses 127.0.0.1 as the node
+# address instead of the host's outward-facing interface. Multi-node clusters built with
+# ray.cluster_utils.Cluster still work; `ray start` worker nodes would not (no test starts one).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 def gpu_tier(config: pytest.Config) -> bool:

@@ -35,7 +35,11 @@ def cluster(simulated_gpus):
     g = simulated_gpus
     c = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 1, "num_gpus": 0, "object_store_memory": 80 * MiB},
+        head_node_args={
+            "num_cpus": 1,
+            "num_gpus": 0,
+            "object_store_memory": 80 * MiB,
+        },
     )
     nodes = {
         "a": [g[1].uuid, g[0].uuid],
@@ -49,6 +53,7 @@ def cluster(simulated_gpus):
             object_store_memory=80 * MiB,
             env_vars={"CUDA_VISIBLE_DEVICES": ",".join(order)},
         )
+    assert c.address.startswith("127.0.0.1:")  # loopback only (see conftest.py)
     gpu_serde.ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
     yield nodes
     ray.shutdown()
@@ -235,3 +240,41 @@ def test_runtime_env_merges_the_hook_and_refuses_to_replace_another():
         gpu_serde.ray.runtime_env({"worker_process_setup_hook": "mine.hook"})
     with pytest.raises(TypeError):
         gpu_serde.ray.runtime_env(["not", "a", "dict"])
+
+
+CPU_ONLY_DRIVER = """
+import ray, gpu_serde, gpu_serde.ray
+from cuda.core import Device
+gpu_serde.ray.init(address=ADDRESS, include_dashboard=False, log_to_driver=False)
+
+@ray.remote(num_gpus=1, resources={"node_b": 1})
+class Holder:
+    def device(self):
+        import os
+        mine = os.environ["CUDA_VISIBLE_DEVICES"]
+        return Device(next(d.ordinal for d in gpu_serde.visible_devices() if d.uuid == mine)), mine
+
+@ray.remote(resources={"node_b": 1})
+def where_is(device):
+    return gpu_serde.resolve(device).uuid
+
+h = Holder.remote()
+dev, mine = ray.get(h.device.remote())
+try:
+    gpu_serde.resolve(dev)
+    here = "resolved"
+except gpu_serde.DeviceNotVisibleError as exc:
+    here = exc.uuid
+report(here=here, mine=mine, there=ray.get(where_is.remote(dev)), repr=repr(dev))
+"""
+
+
+def test_a_driver_without_any_cuda_driver_forwards_devices_untouched(cluster):
+    from helpers import env_without_driver, run_child
+
+    code = f"ADDRESS = {ray.get_runtime_context().gcs_address!r}\n" + CPU_ONLY_DRIVER
+    got = run_child(code, env_without_driver(), timeout=120)
+    assert got["here"] == got["mine"]  # the driver holds a placeholder naming the actor's GPU
+    assert got["mine"] in cluster["b"]
+    assert got["there"] == bare(got["mine"])  # and a task on the GPU's node resolves it
+    assert "not visible" in got["repr"]
