@@ -16,6 +16,12 @@ def _devices(_: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from gpu_serde.demo import run
+
+    return run(args.engine)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``gpu-serde``; returns the exit status."""
     parser = argparse.ArgumentParser(
@@ -24,6 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("devices", help="this process's GPUs: ordinal, UUID, name, PCI id")
     p.set_defaults(func=_devices)
+    p = sub.add_parser(
+        "demo", help="a local cluster whose workers number GPUs differently, shown working"
+    )
+    p.add_argument("--engine", choices=["dask", "ray"], default="dask")
+    p.set_defaults(func=_demo)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -15,7 +15,7 @@ import logging
 import os
 from typing import Any
 
-from gpu_serde.inventory import inventory, set_role
+from gpu_serde.inventory import set_role
 from gpu_serde.reducers import install
 
 HOOK = "gpu_serde.ray.setup_worker"
@@ -24,11 +24,15 @@ logger = logging.getLogger("gpu_serde.ray")
 
 
 def setup_worker() -> None:
-    """Ray ``worker_process_setup_hook``: install the reducers and warm the GPU inventory.
+    """Ray ``worker_process_setup_hook``: install gpu_serde's reducers in this worker.
 
     Runs once in each worker process before its first task (Ray calls it by the name
     ``"gpu_serde.ray.setup_worker"``, so gpu_serde must be installed on every node). Task return
     values are pickled in the worker, so workers need the reducers as much as the driver does.
+
+    It deliberately does not enumerate GPUs: the hook runs before Ray sets the first task's
+    ``CUDA_VISIBLE_DEVICES``, and CUDA reads that variable once, at initialisation. Enumerating
+    here would give every worker all of its node's GPUs. The inventory is taken on first use.
     """
     import ray
 
@@ -38,9 +42,7 @@ def setup_worker() -> None:
     except Exception:  # the role is only for messages
         node = "?"
     set_role(f"ray worker on node {node[:12]}")
-    inv = inventory()
-    if logger.isEnabledFor(logging.DEBUG):
-        logger.debug("gpu_serde: worker pid %d GPU map:\n%s", os.getpid(), inv.describe())
+    logger.debug("gpu_serde: installed in ray worker pid %d on node %s", os.getpid(), node)
 
 
 def runtime_env(env: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -125,6 +125,16 @@ def test_a_task_given_both_gpus_of_a_node_gets_each_device_at_its_own_ordinal(cl
         assert (ordinal, got) == (local, bare(uuid))
 
 
+def test_the_worker_hook_leaves_gpu_assignment_to_ray(cluster):
+    @ray.remote(num_gpus=1, max_retries=0)
+    def what_cuda_sees() -> tuple:
+        return os.environ["CUDA_VISIBLE_DEVICES"], [d.uuid for d in gpu_serde.visible_devices()]
+
+    fresh = {"env_vars": {"GPU_SERDE_TEST_POOL": "hook"}}  # a new worker, set up by the hook
+    assigned, seen = ray.get(what_cuda_sees.options(runtime_env=fresh, **on("a")).remote())
+    assert seen == [assigned]  # CUDA was not initialised before Ray chose this task's GPU
+
+
 def test_num_gpus_1_tasks_receive_the_gpu_with_the_same_uuid(cluster):
     for node, order in cluster.items():
         for uuid in order:
