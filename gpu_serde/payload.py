@@ -1,17 +1,27 @@
 """Versioned plain-data payloads: what gpu_serde puts on the wire instead of an ordinal.
 
-A device payload is a tuple of plain values, never a nested pickle::
+A device payload is one ``bytes`` object, never a nested pickle (little-endian)::
 
-    (VERSION, uuid: 16 bytes, flags: int, ordinal: int, pid: int, host: str, name: str)
+    offset  size  field
+    0       1     version (1)
+    1       16    GPU UUID, raw bytes
+    17      1     flags: bit 0 = MIG instance; other bits must be 0
+    18      2     the sender's ordinal for that GPU (uint16)
+    20      4     the sender's pid (uint32)
+    24      ...   the sender's host name, UTF-8, at most 255 bytes
+            1     0x00
+            ...   the device name, UTF-8, at most 255 bytes
 
-``flags`` bit 0 marks a MIG instance. ``ordinal``, ``pid`` and ``host`` say where the sender had the
-GPU and are used only in error messages. Decoders accept exactly the versions they know and raise
-:class:`~gpu_serde.PayloadError` for anything else.
+Ordinal, pid, host and name say where the sender had the GPU; they appear only in error messages
+(text is decoded with replacement characters, so odd bytes there cannot fail a receiver). The
+decoder accepts exactly the versions it knows and raises :class:`~gpu_serde.PayloadError` for
+anything else. One flat ``bytes`` keeps a payload small and quick to unpickle.
 """
 
 from __future__ import annotations
 
 import reprlib
+import struct
 from typing import NamedTuple
 
 from gpu_serde.errors import PayloadError
@@ -19,9 +29,10 @@ from gpu_serde.identity import canonical_uuid
 
 VERSION = 1
 FLAG_MIG = 1
-MAX_TEXT = 256
-MAX_ORDINAL = 1 << 16
-MAX_PID = 1 << 32
+MAX_TEXT = 255
+HEADER = struct.Struct("<B16sBHI")
+MIN_SIZE = HEADER.size + 1
+MAX_SIZE = HEADER.size + 2 * MAX_TEXT + 1
 
 
 class DevicePayload(NamedTuple):
@@ -41,9 +52,21 @@ class DevicePayload(NamedTuple):
         return canonical_uuid(self.uuid, mig=bool(self.flags & FLAG_MIG))
 
 
-def encode_device(uuid: bytes, mig: bool, ordinal: int, pid: int, host: str, name: str) -> tuple:
-    """Build the wire tuple for a device (arguments as in :class:`DevicePayload`)."""
-    return (VERSION, uuid, FLAG_MIG if mig else 0, ordinal, pid, host[:MAX_TEXT], name[:MAX_TEXT])
+def _text(value: str) -> bytes:
+    data = value.replace("\0", "?").encode("utf-8", errors="replace")[:MAX_TEXT]
+    return data.decode("utf-8", errors="ignore").encode()  # never cut a character in half
+
+
+def encode_device(uuid: bytes, mig: bool, ordinal: int, pid: int, host: str, name: str) -> bytes:
+    """Build the wire bytes for a device (arguments as in :class:`DevicePayload`).
+
+    Raises:
+        ValueError: ``uuid`` is not 16 bytes, or ``ordinal``/``pid`` do not fit their fields.
+    """
+    if len(uuid) != 16:
+        raise ValueError("a GPU UUID is 16 bytes")
+    head = HEADER.pack(VERSION, uuid, FLAG_MIG if mig else 0, ordinal, pid & 0xFFFFFFFF)
+    return head + _text(host) + b"\0" + _text(name)
 
 
 _short = reprlib.Repr()
@@ -55,65 +78,63 @@ def _fail(what: str, payload: object) -> PayloadError:
     return PayloadError(f"invalid gpu_serde device payload: {what} (got {_short.repr(payload)})")
 
 
-def validate_device(p: object) -> tuple:
-    """Check a device wire tuple and return it unchanged.
+def validate_device(p: object) -> bytes:
+    """Check device wire bytes and return them unchanged.
 
     Raises:
-        PayloadError: not a tuple, wrong length, unknown version, or a field of the wrong type
-            or size.
+        PayloadError: not bytes, too short or too long, an unknown version or flag, or a host or
+            name field out of bounds.
     """
-    if type(p) is tuple and len(p) == 7:  # the fast path: locals, no allocation
-        v, uuid, flags, ordinal, pid, host, name = p
-        if (
-            v.__class__ is int
-            and v == VERSION
-            and uuid.__class__ is bytes
-            and len(uuid) == 16
-            and flags.__class__ is int
-            and 0 <= flags <= FLAG_MIG
-            and ordinal.__class__ is int
-            and 0 <= ordinal < MAX_ORDINAL
-            and pid.__class__ is int
-            and 0 <= pid < MAX_PID
-            and host.__class__ is str
-            and len(host) <= MAX_TEXT
-            and name.__class__ is str
-            and len(name) <= MAX_TEXT
-        ):
+    if p.__class__ is bytes and MIN_SIZE <= len(p) <= MAX_SIZE and p[0] == VERSION and p[17] <= 1:
+        sep = p.find(b"\0", 24)
+        if 24 <= sep <= 24 + MAX_TEXT and len(p) - sep - 1 <= MAX_TEXT:
             return p
     raise _explain(p)
 
 
 def _explain(p: object) -> PayloadError:
     """Say what is wrong with a payload that failed :func:`validate_device`."""
-    if type(p) is not tuple:
-        return _fail(f"expected a tuple, not {type(p).__name__}", p)
-    if len(p) == 0 or type(p[0]) is not int:
-        return _fail("no version number", p)
+    if not isinstance(p, bytes) or type(p) is not bytes:
+        return _fail(f"expected bytes, not {type(p).__name__}", p)
+    if len(p) == 0:
+        return _fail("empty", p)
     if p[0] != VERSION:
         return _fail(
             f"version {p[0]} is not understood by this gpu_serde (it reads version {VERSION}); "
             "install the same gpu_serde version on every process of the cluster",
             p,
         )
-    if len(p) != 7:
-        return _fail(f"version {VERSION} has 7 fields, this one has {len(p)}", p)
-    _, uuid, flags, ordinal, pid, host, name = p
-    if type(uuid) is not bytes or len(uuid) != 16:
-        return _fail("the UUID must be 16 bytes", p)
-    if type(flags) is not int or flags & ~FLAG_MIG:
-        return _fail("unknown flags", p)
-    if type(ordinal) is not int or not 0 <= ordinal < MAX_ORDINAL:
-        return _fail("the ordinal must be an int in [0, 65536)", p)
-    if type(pid) is not int or not 0 <= pid < MAX_PID:
-        return _fail("the pid must be a non-negative int", p)
-    if type(host) is not str or len(host) > MAX_TEXT:
-        return _fail(f"the host must be a str of at most {MAX_TEXT} characters", p)
-    if type(name) is not str or len(name) > MAX_TEXT:
-        return _fail(f"the name must be a str of at most {MAX_TEXT} characters", p)
-    return _fail("unknown problem", p)
+    if len(p) < MIN_SIZE:
+        return _fail(f"truncated: {len(p)} bytes, at least {MIN_SIZE} expected", p)
+    if len(p) > MAX_SIZE:
+        return _fail(f"{len(p)} bytes, at most {MAX_SIZE} allowed", p)
+    if p[17] & ~FLAG_MIG:
+        return _fail(f"unknown flags {p[17]:#x}", p)
+    sep = p.find(b"\0", 24)
+    if sep < 0:
+        return _fail("no separator between host and device name", p)
+    if sep - 24 > MAX_TEXT:
+        return _fail(f"the host name is longer than {MAX_TEXT} bytes", p)
+    return _fail(f"the device name is longer than {MAX_TEXT} bytes", p)
 
 
 def decode_device(p: object) -> DevicePayload:
-    """Validate a device wire tuple and return it as a :class:`DevicePayload`."""
-    return DevicePayload._make(validate_device(p))
+    """Validate device wire bytes and return them as a :class:`DevicePayload`."""
+    validate_device(p)
+    assert isinstance(p, bytes)
+    version, uuid, flags, ordinal, pid = HEADER.unpack_from(p)
+    host, _, name = p[HEADER.size :].partition(b"\0")
+    return DevicePayload(
+        version,
+        uuid,
+        flags,
+        ordinal,
+        pid,
+        host.decode("utf-8", errors="replace"),
+        name.decode("utf-8", errors="replace"),
+    )
+
+
+def payload_uuid(p: bytes) -> bytes:
+    """The raw UUID of validated device wire bytes."""
+    return p[1:17]

@@ -23,11 +23,11 @@ from gpu_serde.payload import encode_device
 _lock = threading.Lock()
 _installed = False
 _saved: dict[str, Any] = {}
-_payloads: dict[int, tuple] = {}
+_payloads: dict[int, bytes] = {}
 os.register_at_fork(after_in_child=_payloads.clear)
 
 
-def _payload_for(dev: Device, ordinal: int) -> tuple:
+def _payload_for(dev: Device, ordinal: int) -> bytes:
     inv = inventory()
     if ordinal < len(inv.devices):
         info = inv.devices[ordinal]

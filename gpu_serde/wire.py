@@ -47,7 +47,7 @@ class UnresolvedDevice:
 
     __slots__ = ("_inventory", "_payload")
 
-    def __init__(self, payload: tuple, inv: Inventory) -> None:
+    def __init__(self, payload: bytes, inv: Inventory) -> None:
         self._payload = payload
         self._inventory = inv
 
@@ -69,13 +69,13 @@ class UnresolvedDevice:
         raise self._error()
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, UnresolvedDevice) and other._payload[1] == self._payload[1]
+        return isinstance(other, UnresolvedDevice) and other._payload[1:17] == self._payload[1:17]
 
     def __hash__(self) -> int:
-        return hash(self._payload[1])
+        return hash(self._payload[1:17])
 
     def __dask_tokenize__(self) -> tuple:
-        return ("cuda.core.Device", self._payload[1])
+        return ("cuda.core.Device", self._payload[1:17])
 
     def __repr__(self) -> str:
         p = decode_device(self._payload)
@@ -85,7 +85,7 @@ class UnresolvedDevice:
         )
 
 
-def dev(payload: tuple) -> Device | UnresolvedDevice:
+def dev(payload: bytes) -> Device | UnresolvedDevice:
     """Reconstructor of a device payload: the local ``Device`` whose UUID the payload names.
 
     Returns an :class:`UnresolvedDevice` when no visible GPU has that UUID (never raises for that,
@@ -103,9 +103,9 @@ def dev(payload: tuple) -> Device | UnresolvedDevice:
 
         install(strict)
     inv = _inventory.cached or inventory()
-    ordinal = inv.by_uuid.get(payload[1])
+    ordinal = inv.by_uuid.get(payload[1:17])
     if ordinal is not None:
         return Device(ordinal)
     if strict:
-        raise not_visible_error(DevicePayload._make(payload), inv)
+        raise not_visible_error(decode_device(payload), inv)
     return UnresolvedDevice(payload, inv)

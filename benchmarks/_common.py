@@ -1,0 +1,57 @@
+"""Shared helpers: pick real or simulated GPUs, and time alternatives interleaved in one run."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def use_gpus() -> str:
+    """Real GPUs when a driver is present, else four simulated ones; returns a description."""
+    from gpu_serde import testing
+    from gpu_serde.inventory import inventory
+
+    if not testing.real_driver_present():
+        testing.activate(testing.make_gpus(4, seed="bench"))
+    inv = inventory()
+    if not inv.devices:
+        raise SystemExit(f"no GPU visible: {inv.reason}")
+    kind = "simulated" if inv.simulated else "real"
+    return f"{len(inv.devices)} {kind} GPU(s), first {inv.devices[0].name}"
+
+
+def machine() -> str:
+    import cuda.core
+
+    return (
+        f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, Python "
+        f"{platform.python_version()}, cuda-core {cuda.core.__version__}"
+    )
+
+
+def interleaved(
+    cases: dict[str, Callable[[], None]], *, rounds: int, per_round: int
+) -> dict[str, float]:
+    """Median seconds per call of each case; the cases alternate round by round so that machine
+    noise falls on all of them alike. A case may have a ``setup`` attribute run before its round."""
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            setup = getattr(fn, "setup", None)
+            if setup:
+                setup()
+            start = time.perf_counter()
+            for _ in range(per_round):
+                fn()
+            samples[name].append((time.perf_counter() - start) / per_round)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def verdict(ratio: float, target: float) -> str:
+    return "meets target" if ratio <= target else "MISSES target"

@@ -1,0 +1,58 @@
+"""Dask task round trip with a Device argument vs the same task with an int, from one run.
+
+    python benchmarks/dask_task.py
+
+Target (issue 4): <= 1.05x. Each call is ``client.submit(f, arg, pure=False).result()`` on a warm
+local cluster of one worker process.
+"""
+
+from __future__ import annotations
+
+import os
+
+from _common import interleaved, machine, use_gpus, verdict
+
+
+def touch(arg) -> int:
+    return 0
+
+
+def main() -> None:
+    gpus = use_gpus()
+    os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
+    import distributed
+    from cuda.core import Device
+    from distributed import Client, LocalCluster
+
+    import gpu_serde.dask
+
+    dev = Device(0)
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=1, host="127.0.0.1", dashboard_address=None)
+        as cluster,
+        Client(cluster) as client,
+    ):
+        gpu_serde.dask.register(client)
+        for _ in range(30):
+            client.submit(touch, dev, pure=False).result()
+
+        def with_int() -> None:
+            client.submit(touch, 0, pure=False).result()
+
+        def with_device() -> None:
+            client.submit(touch, dev, pure=False).result()
+
+        t = interleaved({"int": with_int, "Device": with_device}, rounds=15, per_round=40)
+    ratio = t["Device"] / t["int"]
+    print(f"# Dask distributed {distributed.__version__} task round trip ({gpus}; {machine()})")
+    print("| argument | median per task | ratio | target |")
+    print("|---|---|---|---|")
+    print(f"| int | {t['int'] * 1e3:.3f} ms | 1.00x | |")
+    print(
+        f"| cuda.core Device (gpu_serde) | {t['Device'] * 1e3:.3f} ms | {ratio:.3f}x | "
+        f"<= 1.05x: {verdict(ratio, 1.05)} |"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Ray task round trip with a Device argument vs the same task with an int, from one run.
+
+    python benchmarks/ray_task.py
+
+Target (issue 3): <= 1.05x. Each call is ``ray.get(f.remote(arg))`` on a warm local cluster.
+"""
+
+from __future__ import annotations
+
+import os
+
+from _common import interleaved, machine, use_gpus, verdict
+
+
+def main() -> None:
+    gpus = use_gpus()
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only
+    import ray
+    from cuda.core import Device
+
+    import gpu_serde.ray
+
+    gpu_serde.ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+
+        @ray.remote
+        def touch(arg):
+            return 0
+
+        dev = Device(0)
+        ray.get([touch.remote(dev) for _ in range(50)])  # warm the worker pool and the hook
+
+        def with_int() -> None:
+            ray.get(touch.remote(0))
+
+        def with_device() -> None:
+            ray.get(touch.remote(dev))
+
+        t = interleaved({"int": with_int, "Device": with_device}, rounds=21, per_round=100)
+    finally:
+        ray.shutdown()
+    ratio = t["Device"] / t["int"]
+    print(f"# Ray {ray.__version__} task round trip ({gpus}; {machine()})")
+    print("| argument | median per task | ratio | target |")
+    print("|---|---|---|---|")
+    print(f"| int | {t['int'] * 1e3:.3f} ms | 1.00x | |")
+    print(
+        f"| cuda.core Device (gpu_serde) | {t['Device'] * 1e3:.3f} ms | {ratio:.3f}x | "
+        f"<= 1.05x: {verdict(ratio, 1.05)} |"
+    )
+
+
+if __name__ == "__main__":
+    main()
