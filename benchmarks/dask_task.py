@@ -28,8 +28,9 @@ def main() -> None:
 
     dev = Device(0)
     with (
-        LocalCluster(n_workers=1, threads_per_worker=1, host="127.0.0.1", dashboard_address=None)
-        as cluster,
+        LocalCluster(
+            n_workers=1, threads_per_worker=1, host="127.0.0.1", dashboard_address=None
+        ) as cluster,
         Client(cluster) as client,
     ):
         gpu_serde.dask.register(client)
