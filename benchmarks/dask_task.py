@@ -24,6 +24,7 @@ def main() -> None:
     from cuda.core import Device
     from distributed import Client, LocalCluster
 
+    import gpu_serde
     import gpu_serde.dask
 
     dev = Device(0)
@@ -40,15 +41,27 @@ def main() -> None:
         def with_int() -> None:
             client.submit(touch, 0, pure=False).result()
 
+        def with_ordinal_device() -> None:  # cuda.core's own pickle, for reference
+            client.submit(touch, dev, pure=False).result()
+
+        with_ordinal_device.setup = gpu_serde.uninstall
+
         def with_device() -> None:
             client.submit(touch, dev, pure=False).result()
 
-        t = interleaved({"int": with_int, "Device": with_device}, rounds=15, per_round=40)
+        with_device.setup = gpu_serde.install
+        cases = {"int": with_int, "ordinal": with_ordinal_device, "Device": with_device}
+        t = interleaved(cases, rounds=15, per_round=40)
     ratio = t["Device"] / t["int"]
     print(f"# Dask distributed {distributed.__version__} task round trip ({gpus}; {machine()})")
     print("| argument | median per task | ratio | target |")
     print("|---|---|---|---|")
     print(f"| int | {t['int'] * 1e3:.3f} ms | 1.00x | |")
+    ordinal = t["ordinal"] / t["int"]
+    print(
+        f"| Device, cuda.core's ordinal pickle (reference) | {t['ordinal'] * 1e3:.3f} ms "
+        f"| {ordinal:.3f}x | |"
+    )
     print(
         f"| cuda.core Device (gpu_serde) | {t['Device'] * 1e3:.3f} ms | {ratio:.3f}x | "
         f"<= 1.05x: {verdict(ratio, 1.05)} |"

@@ -18,6 +18,7 @@ def main() -> None:
     import ray
     from cuda.core import Device
 
+    import gpu_serde
     import gpu_serde.ray
 
     gpu_serde.ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -33,10 +34,17 @@ def main() -> None:
         def with_int() -> None:
             ray.get(touch.remote(0))
 
+        def with_ordinal_device() -> None:  # cuda.core's own pickle, for reference
+            ray.get(touch.remote(dev))
+
+        with_ordinal_device.setup = gpu_serde.uninstall
+
         def with_device() -> None:
             ray.get(touch.remote(dev))
 
-        t = interleaved({"int": with_int, "Device": with_device}, rounds=21, per_round=100)
+        with_device.setup = gpu_serde.install
+        cases = {"int": with_int, "ordinal": with_ordinal_device, "Device": with_device}
+        t = interleaved(cases, rounds=21, per_round=100)
     finally:
         ray.shutdown()
     ratio = t["Device"] / t["int"]
@@ -44,6 +52,11 @@ def main() -> None:
     print("| argument | median per task | ratio | target |")
     print("|---|---|---|---|")
     print(f"| int | {t['int'] * 1e3:.3f} ms | 1.00x | |")
+    ordinal = t["ordinal"] / t["int"]
+    print(
+        f"| Device, cuda.core's ordinal pickle (reference) | {t['ordinal'] * 1e3:.3f} ms "
+        f"| {ordinal:.3f}x | |"
+    )
     print(
         f"| cuda.core Device (gpu_serde) | {t['Device'] * 1e3:.3f} ms | {ratio:.3f}x | "
         f"<= 1.05x: {verdict(ratio, 1.05)} |"

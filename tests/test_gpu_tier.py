@@ -23,7 +23,7 @@ d = pickle.loads(data)
 try:
     real = gpu_serde.resolve(d)
     real.set_current()
-    real.allocate(1 << 20).close()
+    real.allocate(1 << 20, stream=real.default_stream).close()
     report(kind="device", ordinal=real.device_id, uuid=real.uuid)
 except gpu_serde.DeviceNotVisibleError as exc:
     report(kind="not visible", uuid=exc.uuid, message=str(exc))
@@ -95,7 +95,7 @@ def test_ray_tasks_get_the_real_gpu_or_the_typed_error(installed):
         def use(device):
             d = gpu_serde.resolve(device)
             d.set_current()
-            d.allocate(1 << 20).close()
+            d.allocate(1 << 20, stream=d.default_stream).close()
             return d.device_id, d.uuid, os.environ.get("CUDA_VISIBLE_DEVICES")
 
         got = ray.get(use.options(num_gpus=1, resources={"gpu_node": 1}).remote(Device(0)))
@@ -140,7 +140,7 @@ def test_dask_workers_get_the_real_gpu_or_the_typed_error(installed):
         def use(device):
             d = gpu_serde.resolve(device)
             d.set_current()
-            d.allocate(1 << 20).close()
+            d.allocate(1 << 20, stream=d.default_stream).close()
             return d.device_id, d.uuid
 
         def make():

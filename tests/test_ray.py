@@ -128,10 +128,19 @@ def test_a_task_given_both_gpus_of_a_node_gets_each_device_at_its_own_ordinal(cl
 def test_the_worker_hook_leaves_gpu_assignment_to_ray(cluster):
     @ray.remote(num_gpus=1, max_retries=0)
     def what_cuda_sees() -> tuple:
-        return os.environ["CUDA_VISIBLE_DEVICES"], [d.uuid for d in gpu_serde.visible_devices()]
+        from gpu_serde.reducers import is_installed
 
-    fresh = {"env_vars": {"GPU_SERDE_TEST_POOL": "hook"}}  # a new worker, set up by the hook
-    assigned, seen = ray.get(what_cuda_sees.options(runtime_env=fresh, **on("a")).remote())
+        hooked = is_installed()  # nothing was unpickled yet: only the hook can have installed it
+        return (
+            hooked,
+            os.environ["CUDA_VISIBLE_DEVICES"],
+            [d.uuid for d in gpu_serde.visible_devices()],
+        )
+
+    # A per-task runtime_env of its own: a new worker, which still inherits the job's hook.
+    fresh = {"env_vars": {"GPU_SERDE_TEST_POOL": "hook"}}
+    hooked, assigned, seen = ray.get(what_cuda_sees.options(runtime_env=fresh, **on("a")).remote())
+    assert hooked
     assert seen == [assigned]  # CUDA was not initialised before Ray chose this task's GPU
 
 

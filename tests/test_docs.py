@@ -1,0 +1,30 @@
+"""Every public name says what it does."""
+
+import importlib
+import inspect
+
+import pytest
+
+MODULES = ["gpu_serde", "gpu_serde.ray", "gpu_serde.dask", "gpu_serde.testing"]
+
+
+def public_names(module):
+    names = getattr(module, "__all__", None) or [n for n in vars(module) if not n.startswith("_")]
+    for name in names:
+        obj = getattr(module, name)
+        if (
+            inspect.ismodule(obj)
+            or not callable(obj)
+            or getattr(obj, "__module__", "").split(".")[0] != "gpu_serde"
+        ):
+            continue
+        yield name, obj
+
+
+@pytest.mark.parametrize("module_name", MODULES)
+def test_every_public_name_has_a_docstring(module_name):
+    module = importlib.import_module(module_name)
+    assert module.__doc__
+    missing = [name for name, obj in public_names(module) if not inspect.getdoc(obj)]
+    assert missing == []
+    assert list(public_names(module))  # the check looked at something
