@@ -80,7 +80,7 @@ def visible() -> list:
 @ray.remote(num_gpus=1)
 class GPUActor:
     def __init__(self, device=None):
-        self.received = None if device is None else gpu_serde.resolve(device).uuid
+        self.received = device  # resolved on use, so a constructor never fails for it
 
     def gpu(self) -> str:
         """The GPU Ray assigned to this actor (a reused worker's CUDA may see more)."""
@@ -100,7 +100,7 @@ class GPUActor:
         return os.getpid()
 
     def constructed_with(self):
-        return self.received
+        return gpu_serde.resolve(self.received).uuid
 
 
 def bare(uuid: str) -> str:
@@ -118,11 +118,14 @@ def test_a_task_given_both_gpus_of_a_node_gets_each_device_at_its_own_ordinal(cl
     # A runtime_env of its own gives the task a fresh worker pool (Ray keys workers by it), so no
     # worker whose CUDA was initialised under a one-GPU assignment is reused here.
     fresh = {"env_vars": {"GPU_SERDE_TEST_POOL": f"both-{node}"}}
-    for local, uuid in enumerate(order):
+    ordinals = set()
+    for uuid in order:
         task = where_is.options(num_gpus=2, runtime_env=fresh, **on(node))
-        ref = task.remote(driver_device(uuid))
-        ordinal, got, _ = ray.get(ref)
-        assert (ordinal, got) == (local, bare(uuid))
+        ordinal, got, cvd = ray.get(task.remote(driver_device(uuid)))
+        assert got == bare(uuid)  # where_is also checked the ordinal against the task's own view
+        assert sorted(cvd.split(",")) == sorted(order)  # Ray may list the node's GPUs in any order
+        ordinals.add(ordinal)
+    assert ordinals == {0, 1}  # each GPU at its own local ordinal
 
 
 def test_the_worker_hook_leaves_gpu_assignment_to_ray(cluster):
@@ -176,15 +179,15 @@ def test_actors_receive_the_same_gpu_in_constructor_and_methods(cluster):
     for group in actors.values():
         for a in group:
             ray.kill(a)
-    g = gpu_serde.visible_devices()
-    actor = GPUActor.options(**on("a")).remote(driver_device(cluster["a"][0]))
+    wanted = cluster["a"][0]
+    pair = [GPUActor.options(**on("a")).remote(driver_device(wanted)) for _ in range(2)]
     try:
-        held = ray.get(actor.gpu.remote())
-        if held == cluster["a"][0]:
-            assert ray.get(actor.constructed_with.remote()) == bare(held)
+        held = ray.get([a.gpu.remote() for a in pair])
+        holder = pair[held.index(wanted)]  # Ray gave node a's two GPUs to the two actors
+        assert ray.get(holder.constructed_with.remote()) == bare(wanted)
     finally:
-        ray.kill(actor)
-    assert g  # the driver saw the host's GPUs throughout
+        for a in pair:
+            ray.kill(a)
 
 
 def test_a_gpu_the_actor_was_not_given_raises_a_catchable_error_and_the_worker_survives(cluster):
@@ -213,7 +216,8 @@ def test_an_actor_returns_its_device_to_the_driver_and_to_another_task(cluster):
         assert isinstance(at_driver, Device)
         assert at_driver.uuid == bare(uuid)
         # worker -> worker through the ObjectRef; a num_gpus=0 task sees every GPU of its node
-        _, got, _ = ray.get(where_is.options(**on("a")).remote(ref))
+        fresh = {"env_vars": {"GPU_SERDE_TEST_POOL": "returned"}}  # sees all of node a's GPUs
+        _, got, _ = ray.get(where_is.options(runtime_env=fresh, **on("a")).remote(ref))
         assert got == bare(uuid)
     finally:
         ray.kill(actor)
@@ -243,8 +247,10 @@ def test_nested_containers_and_ray_put_keep_each_gpu(cluster):
         "tuple": (0, bare(order_b[0])),
         "job": (1, bare(order_b[1])),
     }
-    assert ray.get(describe.options(**on("b")).remote(payload)) == expected
-    assert ray.get(describe.options(**on("b")).remote(ray.put(payload))) == expected
+    # a num_gpus=0 task sees every GPU of its node; its own pool avoids reused one-GPU workers
+    task = describe.options(runtime_env={"env_vars": {"GPU_SERDE_TEST_POOL": "nested"}}, **on("b"))
+    assert ray.get(task.remote(payload)) == expected
+    assert ray.get(task.remote(ray.put(payload))) == expected
     assert ray.get(ray.put(payload))["job"].device is payload["job"].device
 
 
