@@ -1,0 +1,227 @@
+"""Start Ray and Dask clusters with the engines' own CLIs on loopback, and always tear them down.
+
+Ray's nodes use the loopback address 127.0.0.2 (``ray start`` replaces 127.0.0.1 with the host's
+outward address, but leaves other loopback addresses alone). Every process a cluster starts is
+killed on exit, also on failure: the launchers' process groups, then any process whose command
+line names the cluster's private temp folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+
+import psutil
+
+RAY_IP = "127.0.0.2"
+BIN = os.path.dirname(sys.executable)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _env(base: Mapping[str, str], cvd: str | None) -> dict[str, str]:
+    env = dict(base)
+    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # `ray start` worker nodes refuse it
+    env["RAY_AUTH_MODE"] = "disabled"
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    if cvd is None:
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = cvd
+    return env
+
+
+class Processes:
+    """Processes started for one cluster, each in its own process group."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+        self.procs: list[subprocess.Popen] = []
+        self.logs: list[str] = []
+
+    def report_early_exits(self) -> None:
+        """Print the log of every process that already ended: why a node never joined."""
+        for p, log in zip(self.procs, self.logs, strict=True):
+            if p.poll() is not None:
+                with open(log, errors="replace") as f:
+                    tail = f.read()[-2000:]
+                print(
+                    f"--- {' '.join(p.args[:3])} exited {p.returncode}; {log}:\n{tail}",
+                    file=sys.stderr,
+                )
+
+    def wait_for(self, p: subprocess.Popen, log: str, text: str, timeout: float = 90) -> None:
+        """Wait until ``text`` appears in ``log`` (the process is up); fail if it ends first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with open(log, errors="replace") as f:
+                if text in f.read():
+                    return
+            if p.poll() is not None:
+                break
+            time.sleep(0.2)
+        self.report_early_exits()
+        raise RuntimeError(f"{' '.join(p.args[:3])} did not come up; see {log}")
+
+    def start(self, cmd: list[str], env: dict[str, str], log: str) -> subprocess.Popen:
+        out = open(log, "ab")  # noqa: SIM115 - closed with the process
+        p = subprocess.Popen(
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        out.close()
+        self.procs.append(p)
+        self.logs.append(log)
+        return p
+
+    def stop(self) -> None:
+        self.report_early_exits()
+        for p in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(max(0.1, deadline - time.monotonic()))
+        stray = [
+            proc
+            for proc in psutil.process_iter(["cmdline"])
+            if proc.pid != os.getpid() and self.marker in " ".join(proc.info["cmdline"] or ())
+        ]
+        for proc in stray:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(stray, timeout=10)
+        for p in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(5)
+
+
+@contextlib.contextmanager
+def ray_cli_cluster(
+    nodes: Mapping[str, str], env: Mapping[str, str] | None = None
+) -> Iterator[str]:
+    """``ray start --head`` plus one ``ray start`` worker node per entry of ``nodes`` (name ->
+    ``CUDA_VISIBLE_DEVICES``; ``--num-gpus`` is its entry count, a custom resource ``node_<name>``
+    marks it). Yields the GCS address."""
+    base = dict(os.environ if env is None else env)
+    tmp = tempfile.mkdtemp(prefix="gsr-", dir="/tmp")  # short: Ray's socket paths are limited
+    procs = Processes(tmp)
+    port = free_port()
+    address = f"{RAY_IP}:{port}"
+    common = ["--block", "--disable-usage-stats", "--node-ip-address", RAY_IP, "--temp-dir", tmp]
+    common += ["--object-store-memory", str(80 * 1024 * 1024)]
+    try:
+        head = procs.start(
+            [
+                f"{BIN}/ray",
+                "start",
+                "--head",
+                "--port",
+                str(port),
+                "--num-cpus",
+                "1",
+                "--num-gpus",
+                "0",
+                "--include-dashboard",
+                "false",
+                *common,
+            ],
+            _env(base, None),
+            f"{tmp}/head.log",
+        )
+        procs.wait_for(head, f"{tmp}/head.log", "Ray runtime started")
+        for name, cvd in nodes.items():
+            count = len([e for e in cvd.split(",") if e]) if cvd else 0
+            node = procs.start(
+                [
+                    f"{BIN}/ray",
+                    "start",
+                    "--address",
+                    address,
+                    "--num-cpus",
+                    "2",
+                    "--num-gpus",
+                    str(count),
+                    "--resources",
+                    json.dumps({f"node_{name}": 100}),
+                    *common,
+                ],
+                _env(base, cvd),
+                f"{tmp}/{name}.log",
+            )
+            # one at a time: concurrent `ray start`s on one host wait on each other
+            procs.wait_for(node, f"{tmp}/{name}.log", "Ray runtime started")
+        yield address
+    finally:
+        procs.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def dask_cli_cluster(
+    workers: Mapping[str, str],
+    env: Mapping[str, str] | None = None,
+    scheduler_env: Mapping[str, str] | None = None,
+) -> Iterator[str]:
+    """``dask scheduler --preload gpu_serde.dask`` and one ``dask worker --preload gpu_serde.dask``
+    per entry of ``workers`` (name -> ``CUDA_VISIBLE_DEVICES``). Yields the scheduler address."""
+    base = dict(os.environ if env is None else env)
+    tmp = tempfile.mkdtemp(prefix="gsd-", dir="/tmp")
+    procs = Processes(tmp)
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    common = ["--preload", "gpu_serde.dask", "--no-dashboard"]
+    try:
+        procs.start(
+            [
+                f"{BIN}/dask",
+                "scheduler",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                *common,
+                "--scheduler-file",
+                f"{tmp}/scheduler.json",
+            ],
+            _env(dict(scheduler_env or base), None),
+            f"{tmp}/scheduler.log",
+        )
+        for name, cvd in workers.items():
+            procs.start(
+                [
+                    f"{BIN}/dask",
+                    "worker",
+                    address,
+                    "--name",
+                    name,
+                    "--nthreads",
+                    "1",
+                    "--host",
+                    "127.0.0.1",
+                    *common,
+                    "--local-directory",
+                    tmp,
+                ],
+                _env(base, cvd),
+                f"{tmp}/{name}.log",
+            )
+        yield address
+    finally:
+        procs.stop()
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,28 @@
+"""``gpu-serde doctor`` flags workers without gpu_serde and GPUs that two workers compute on."""
+
+from distributed import Nanny, Scheduler, SpecCluster
+
+from gpu_serde import doctor
+
+
+def test_doctor_flags_a_missing_install_and_a_shared_device_0(simulated_gpus):
+    u = [g.uuid for g in simulated_gpus]
+    workers = {
+        name: {
+            "cls": Nanny,
+            "options": {"nthreads": 1, "host": "127.0.0.1", "env": {"CUDA_VISIBLE_DEVICES": cvd}},
+        }
+        for name, cvd in {"x": u[0], "y": f"{u[0]},{u[1]}", "z": u[2]}.items()
+    }
+    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": ":0"}}
+    with SpecCluster(workers=workers, scheduler=scheduler) as cluster:
+        reports = {r.name.split(" ")[0]: r for r in doctor.survey_dask(cluster.scheduler_address)}
+    text = doctor.render(list(reports.values()))
+    assert set(reports) == {"x", "y", "z"}
+    assert [g for _, g in reports["y"].gpus] == [u[0], u[1]]
+    assert any(f"{u[0]} is also device 0 of worker y" in p for p in reports["x"].problems)
+    assert not any("device 0" in p for p in reports["z"].problems)
+    # nobody registered the plugin or preloaded gpu_serde: every worker is flagged
+    assert all(not r.installed for r in reports.values())
+    assert "gpu_serde NOT installed" in text
+    assert "3 worker(s), 3 with problems" in text
