@@ -26,6 +26,12 @@ RAY_IP = "127.0.0.2"
 BIN = os.path.dirname(sys.executable)
 
 
+def cli(name: str) -> str:
+    """The engine's command: beside this Python, else on PATH."""
+    here = os.path.join(BIN, name)
+    return here if os.path.exists(here) else (shutil.which(name) or name)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -128,7 +134,7 @@ def ray_cli_cluster(
     try:
         head = procs.start(
             [
-                f"{BIN}/ray",
+                cli("ray"),
                 "start",
                 "--head",
                 "--port",
@@ -149,7 +155,7 @@ def ray_cli_cluster(
             count = len([e for e in cvd.split(",") if e]) if cvd else 0
             node = procs.start(
                 [
-                    f"{BIN}/ray",
+                    cli("ray"),
                     "start",
                     "--address",
                     address,
@@ -189,7 +195,7 @@ def dask_cli_cluster(
     try:
         procs.start(
             [
-                f"{BIN}/dask",
+                cli("dask"),
                 "scheduler",
                 "--host",
                 "127.0.0.1",
@@ -205,7 +211,7 @@ def dask_cli_cluster(
         for name, cvd in workers.items():
             procs.start(
                 [
-                    f"{BIN}/dask",
+                    cli("dask"),
                     "worker",
                     address,
                     "--name",
