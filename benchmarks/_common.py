@@ -55,3 +55,20 @@ def interleaved(
 
 def verdict(ratio: float, target: float) -> str:
     return "meets target" if ratio <= target else "MISSES target"
+
+
+def task_table(title: str, t: dict[str, float], target: float = 1.05) -> None:
+    """Print a task round-trip table: int baseline, cuda.core's ordinal pickle, gpu_serde."""
+    print(f"# {title}")
+    print("| argument | median per task | ratio | target |")
+    print("|---|---|---|---|")
+    rows = [
+        ("int", t["int"], ""),
+        ("Device, cuda.core's ordinal pickle (reference)", t["ordinal"], ""),
+        ("cuda.core Device (gpu_serde)", t["Device"], None),
+    ]
+    for name, seconds, note in rows:
+        ratio = seconds / t["int"]
+        if note is None:
+            note = f"<= {target}x: {verdict(ratio, target)}"
+        print(f"| {name} | {seconds * 1e3:.3f} ms | {ratio:.3f}x | {note} |")

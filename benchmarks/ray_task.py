@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from _common import interleaved, machine, use_gpus, verdict
+from _common import interleaved, machine, task_table, use_gpus
 
 
 def main() -> None:
@@ -47,20 +47,7 @@ def main() -> None:
         t = interleaved(cases, rounds=21, per_round=100)
     finally:
         ray.shutdown()
-    ratio = t["Device"] / t["int"]
-    print(f"# Ray {ray.__version__} task round trip ({gpus}; {machine()})")
-    print("| argument | median per task | ratio | target |")
-    print("|---|---|---|---|")
-    print(f"| int | {t['int'] * 1e3:.3f} ms | 1.00x | |")
-    ordinal = t["ordinal"] / t["int"]
-    print(
-        f"| Device, cuda.core's ordinal pickle (reference) | {t['ordinal'] * 1e3:.3f} ms "
-        f"| {ordinal:.3f}x | |"
-    )
-    print(
-        f"| cuda.core Device (gpu_serde) | {t['Device'] * 1e3:.3f} ms | {ratio:.3f}x | "
-        f"<= 1.05x: {verdict(ratio, 1.05)} |"
-    )
+    task_table(f"Ray {ray.__version__} task round trip ({gpus}; {machine()})", t)
 
 
 if __name__ == "__main__":

@@ -8,13 +8,10 @@ docker compose test-runner does), it runs the same scenarios against those clust
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from clusters import RAY_IP, dask_cli_cluster, ray_cli_cluster
+from gpu_serde.testing.clusters import RAY_IP, dask_cli_cluster, ray_cli_cluster
 
 
 @pytest.fixture(scope="session")

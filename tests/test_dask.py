@@ -6,11 +6,8 @@ cluster built in Python (``SpecCluster`` + ``register(client)``) and on one star
 (``dask scheduler`` without any CUDA driver, ``dask worker --preload gpu_serde.dask``).
 """
 
+import contextlib
 import os
-import socket
-import subprocess
-import sys
-import time
 
 import dask
 import dask.bag as db
@@ -21,22 +18,16 @@ from distributed import Client, Nanny, Scheduler, SpecCluster
 import gpu_serde
 import gpu_serde.dask
 from gpu_serde.reducers import reduce_device
+from gpu_serde.testing.clusters import dask_cli_cluster
 from gpu_serde.wire import UnresolvedDevice
 from helpers import env_without_driver
 
-DASK = os.path.join(os.path.dirname(sys.executable), "dask")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def with_tests_importable(env: dict[str, str]) -> dict[str, str]:
     """CLI-started processes import this module's task functions, as users deploy their code."""
     return dict(env, PYTHONPATH=os.pathsep.join(p for p in (HERE, env.get("PYTHONPATH")) if p))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rotations(uuids: list[str]) -> dict[str, str]:
@@ -62,88 +53,36 @@ def spec_cluster(env_by_name: dict[str, str]):
     return client, cluster.close
 
 
-def cli_cluster(env_by_name: dict[str, str], folder):
-    file = str(folder / "scheduler.json")
-    procs = []
-    common = ["--no-dashboard"]
-    procs.append(
-        subprocess.Popen(
-            [
-                DASK,
-                "scheduler",
-                "--host",
-                "127.0.0.1",
-                "--scheduler-file",
-                file,
-                "--preload",
-                "gpu_serde.dask",
-                *common,
-            ],
-            env=with_tests_importable(env_without_driver()),  # no GPU, no CUDA driver
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-    )
-    for name, cvd in env_by_name.items():
-        env = with_tests_importable(dict(os.environ, CUDA_VISIBLE_DEVICES=cvd))
-        procs.append(
-            subprocess.Popen(
-                [
-                    DASK,
-                    "worker",
-                    "--scheduler-file",
-                    file,
-                    "--name",
-                    name,
-                    "--nthreads",
-                    "1",
-                    "--host",
-                    "127.0.0.1",
-                    "--preload",
-                    "gpu_serde.dask",
-                    *common,
-                ],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-        )
-    deadline = time.monotonic() + 60
-    while not os.path.exists(file) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    client = Client(scheduler_file=file, timeout=60)
-    gpu_serde.install()
-
-    def close():
-        client.close()
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-
-    return client, close
+@contextlib.contextmanager
+def cli_cluster(env_by_name: dict[str, str]):
+    """`dask scheduler` (no CUDA driver) and `dask worker --preload gpu_serde.dask` processes."""
+    env = with_tests_importable(dict(os.environ))
+    with dask_cli_cluster(
+        env_by_name, env=env, scheduler_env=with_tests_importable(env_without_driver())
+    ) as address:
+        client = Client(address, timeout=60)
+        gpu_serde.install()
+        try:
+            yield client
+        finally:
+            client.close()
 
 
 @pytest.fixture(scope="module", params=["python", "cli"])
-def dask_cluster(request, simulated_gpus, tmp_path_factory):
+def dask_cluster(request, simulated_gpus):
     uuids = [g.uuid for g in simulated_gpus]
     env = rotations(uuids)
-    if request.param == "python":
-        client, close = spec_cluster(env)
-    else:
-        client, close = cli_cluster(env, tmp_path_factory.mktemp("dask"))
-    try:
+    with contextlib.ExitStack() as stack:
+        if request.param == "python":
+            client, close = spec_cluster(env)
+            stack.callback(close)
+        else:
+            client = stack.enter_context(cli_cluster(env))
+        stack.callback(gpu_serde.uninstall)
         client.wait_for_workers(len(env), timeout=120)
         info = client.scheduler_info(n_workers=-1)["workers"]
         by_name = {w["name"]: addr for addr, w in info.items()}
         yield client, by_name, uuids
-    finally:
-        client.close()
-        close()
-        gpu_serde.uninstall()
 
 
 def where(device) -> tuple:

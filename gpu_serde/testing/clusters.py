@@ -1,4 +1,4 @@
-"""Start Ray and Dask clusters with the engines' own CLIs on loopback, and always tear them down.
+"""Ray and Dask clusters started with the engines' own CLIs on loopback, always torn down.
 
 Ray's nodes use the loopback address 127.0.0.2 (``ray start`` replaces 127.0.0.1 with the host's
 outward address, but leaves other loopback addresses alone). Every process a cluster starts is
@@ -33,6 +33,7 @@ def cli(name: str) -> str:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
