@@ -31,3 +31,15 @@ class DeviceNotVisibleError(RuntimeError):
 
 class PayloadError(ValueError):
     """A gpu_serde payload is malformed, truncated, of an unknown version, or not gpu_serde's."""
+
+
+class HandoffError(RuntimeError):
+    """A memory hand-off between processes failed (base of the descriptor broker's errors)."""
+
+
+class ExporterGoneError(HandoffError):
+    """The exporting process is gone, or its descriptor broker did not answer within the timeout."""
+
+
+class TokenRefusedError(HandoffError):
+    """The exporter's broker refused the request: unknown or released token, or another user."""

@@ -1,0 +1,189 @@
+"""The descriptor broker: hands file descriptors to other processes of the same user on this host.
+
+One broker per exporting process, started on first use: a daemon thread serving an abstract Unix
+socket. A peer asks with a 128-bit token; the broker answers only peers of the same uid
+(``SO_PEERCRED``) and passes the descriptor with ``SCM_RIGHTS``. The client checks the broker's uid
+too (abstract socket names carry no permissions), and gives up after a timeout (1 s by default)
+instead of hanging. Descriptors the broker holds are its own duplicates, closed on :meth:`revoke`,
+on :meth:`Broker.close` and at exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import socket
+import struct
+import threading
+
+from gpu_serde.errors import ExporterGoneError, TokenRefusedError
+
+TOKEN_BYTES = 16
+_FETCH = b"F"
+_OK = b"K"
+_NO = b"N"
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def _peer(sock: socket.socket) -> tuple[int, int]:
+    pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+    return pid, uid
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+class Broker:
+    """Serves descriptors to same-user processes that present the right token."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fds: dict[bytes, int] = {}
+        self._closed = False
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        name = f"gpu_serde-{os.getpid()}-{secrets.token_hex(8)}"
+        self._sock.bind("\0" + name)
+        self._sock.listen(64)
+        self.address = "@" + name
+        self._thread = threading.Thread(target=self._serve, name="gpu_serde-broker", daemon=True)
+        self._thread.start()
+
+    def offer(self, fd: int) -> bytes:
+        """Serve a duplicate of ``fd`` (the caller keeps its own) and return the token for it."""
+        token = secrets.token_bytes(TOKEN_BYTES)
+        dup = os.dup(fd)
+        with self._lock:
+            if self._closed:
+                os.close(dup)
+                raise RuntimeError("the descriptor broker is closed")
+            self._fds[token] = dup
+        return token
+
+    def revoke(self, token: bytes) -> None:
+        """Stop serving ``token`` and close the broker's descriptor for it (unknown: no-op)."""
+        with self._lock:
+            fd = self._fds.pop(token, None)
+        if fd is not None:
+            os.close(fd)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._fds)
+
+    def close(self) -> None:
+        """Stop serving and close every descriptor the broker holds."""
+        with self._lock:
+            self._closed = True
+            fds, self._fds = list(self._fds.values()), {}
+        for fd in fds:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            with conn, contextlib.suppress(OSError):
+                self._answer(conn)
+
+    def _answer(self, conn: socket.socket) -> None:
+        conn.settimeout(1.0)  # a silent peer never holds the broker up for long
+        _, uid = _peer(conn)
+        if uid != os.getuid():
+            return  # other users get nothing, not even an answer
+        request = _recv_exact(conn, 1 + TOKEN_BYTES)
+        if len(request) != 1 + TOKEN_BYTES or request[:1] != _FETCH:
+            conn.sendall(_NO)
+            return
+        with self._lock:
+            fd = self._fds.get(request[1:])
+            if fd is not None:
+                fd = os.dup(fd)  # survives a concurrent revoke while it is sent
+        if fd is None:
+            conn.sendall(_NO)
+            return
+        try:
+            socket.send_fds(conn, [_OK], [fd])
+        finally:
+            os.close(fd)
+
+
+_broker: Broker | None = None
+_broker_lock = threading.Lock()
+
+
+def _forget_after_fork() -> None:
+    global _broker, _broker_lock
+    _broker, _broker_lock = None, threading.Lock()  # the thread did not survive the fork
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def broker() -> Broker:
+    """This process's broker, started on first use."""
+    global _broker
+    if _broker is None:
+        with _broker_lock:
+            if _broker is None:
+                _broker = Broker()
+    return _broker
+
+
+def fetch(address: str, token: bytes, *, timeout: float = 1.0) -> int:
+    """Ask the broker at ``address`` for the descriptor behind ``token``; the caller owns (and
+    closes) the returned descriptor.
+
+    Raises:
+        ExporterGoneError: nothing listens at ``address``, the broker belongs to another user, or it
+            did not answer within ``timeout`` seconds.
+        TokenRefusedError: the broker refused the token (unknown, revoked) or this user.
+        ValueError: ``address`` or ``token`` is malformed.
+    """
+    if not address.startswith("@") or len(address) > 100 or len(token) != TOKEN_BYTES:
+        raise ValueError("a broker address is '@name' and a token 16 bytes")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        try:
+            sock.connect("\0" + address[1:])
+        except OSError as exc:
+            raise ExporterGoneError(
+                f"the exporting process's descriptor broker {address} is gone "
+                f"({exc.strerror or exc}): the exporter exited, or lives in another network "
+                "namespace (container)"
+            ) from None
+        pid, uid = _peer(sock)
+        if uid != os.getuid():
+            raise ExporterGoneError(
+                f"{address} is served by uid {uid} (pid {pid}), not by this user: "
+                "not gpu_serde's broker"
+            )
+        sock.sendall(_FETCH + token)
+        msg, fds, _, _ = socket.recv_fds(sock, 1, 1)
+    except TimeoutError:
+        raise ExporterGoneError(
+            f"the descriptor broker {address} did not answer within {timeout} s"
+        ) from None
+    finally:
+        sock.close()
+    if msg == _OK and len(fds) == 1:
+        return fds[0]
+    for fd in fds:
+        os.close(fd)
+    raise TokenRefusedError(
+        f"the descriptor broker {address} refused the request: the export was released, the token "
+        "is wrong, or this process runs as another user"
+    )

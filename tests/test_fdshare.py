@@ -1,0 +1,173 @@
+"""The descriptor broker: the right token gets the descriptor, nothing else gets anything, a dead
+exporter is reported at once, and nothing leaks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gpu_serde.errors import ExporterGoneError, TokenRefusedError
+from gpu_serde.fdshare import Broker, fetch
+
+EXPORTER = """
+import os, sys
+from gpu_serde.fdshare import broker
+fd = os.memfd_create("exported")
+os.write(fd, b"hello from the exporter")
+token = broker().offer(fd)
+os.close(fd)  # the broker keeps its own duplicate
+print(broker().address, token.hex(), flush=True)
+sys.stdin.read()  # until the test closes our stdin
+"""
+
+
+def open_fds(pid: int | str = "self") -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@pytest.fixture
+def exporter():
+    proc = subprocess.Popen(
+        [sys.executable, "-c", EXPORTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    address, token = proc.stdout.readline().split()
+    yield proc, address, bytes.fromhex(token)
+    proc.stdin.close()
+    proc.kill()
+    proc.wait(10)
+
+
+def read_all(fd: int) -> bytes:
+    return os.pread(fd, 100, 0)
+
+
+def test_the_right_token_gets_the_descriptor_from_another_process(exporter):
+    _, address, token = exporter
+    fd = fetch(address, token)
+    try:
+        assert read_all(fd) == b"hello from the exporter"
+    finally:
+        os.close(fd)
+
+
+def test_a_wrong_token_gets_nothing(exporter):
+    _, address, _ = exporter
+    before = open_fds()
+    with pytest.raises(TokenRefusedError, match="refused"):
+        fetch(address, bytes(16))
+    assert open_fds() == before
+
+
+def test_a_killed_exporter_is_reported_within_a_second(exporter):
+    proc, address, token = exporter
+    proc.kill()
+    proc.wait(10)
+    started = time.monotonic()
+    with pytest.raises(ExporterGoneError, match="gone"):
+        fetch(address, token)
+    assert time.monotonic() - started < 1.0
+
+
+def test_a_silent_broker_times_out_instead_of_hanging():
+    import socket
+
+    squatter = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    squatter.bind("\0gpu_serde-test-silent")
+    squatter.listen(1)  # accepts connections, never answers
+    try:
+        started = time.monotonic()
+        with pytest.raises(ExporterGoneError, match="did not answer"):
+            fetch("@gpu_serde-test-silent", bytes(16), timeout=0.5)
+        assert time.monotonic() - started < 1.0
+    finally:
+        squatter.close()
+
+
+def as_other_user(fn) -> str:
+    """Run ``fn()`` in a forked child switched to uid/gid 65534; return what it returned."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            result = fn()
+        except BaseException as exc:
+            result = f"raised {type(exc).__name__}"
+        os.write(write, result.encode())
+        os._exit(0)
+    os.close(write)
+    try:
+        return os.read(read, 1000).decode()
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a client as another uid")
+def test_another_user_gets_nothing(exporter):
+    import socket
+
+    _, address, token = exporter
+
+    def through_fetch() -> str:
+        try:
+            fetch(address, token)
+        except (ExporterGoneError, TokenRefusedError) as exc:
+            return type(exc).__name__
+        return "got a descriptor"
+
+    def raw_request() -> str:  # a client that skips fetch()'s own check of the broker's uid
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(2)
+        s.connect("\0" + address[1:])
+        try:
+            s.sendall(b"F" + token)
+            msg, fds, _, _ = socket.recv_fds(s, 1, 1)
+        except OSError:  # the broker hung up first
+            return "nothing"
+        return "nothing" if (msg, fds) == (b"", []) else f"answer={msg!r} fds={len(fds)}"
+
+    assert as_other_user(through_fetch) == "ExporterGoneError"  # not this user's broker
+    assert as_other_user(raw_request) == "nothing"  # the broker hung up without a word
+
+
+def test_a_thousand_handoffs_leave_no_descriptor_open(exporter):
+    proc, address, token = exporter
+    mine, theirs = open_fds(), open_fds(proc.pid)
+    for _ in range(1000):
+        os.close(fetch(address, token))
+    time.sleep(0.2)  # let the broker finish closing its side of the last connection
+    assert open_fds() == mine
+    assert open_fds(proc.pid) == theirs
+
+
+def test_revoke_and_close_release_the_brokers_descriptors():
+    b = Broker()
+    fd = os.memfd_create("x")
+    try:
+        before = open_fds()
+        tokens = [b.offer(fd) for _ in range(10)]
+        assert open_fds() == before + 10 and len(b) == 10
+        b.revoke(tokens[0])
+        with pytest.raises(TokenRefusedError):
+            fetch(b.address, tokens[0])
+        got = fetch(b.address, tokens[1])
+        os.close(got)
+        b.close()
+        assert open_fds() == before - 1  # the listening socket is closed too
+        with pytest.raises(ExporterGoneError):
+            fetch(b.address, tokens[1])
+    finally:
+        os.close(fd)
+
+
+def test_malformed_requests_are_value_errors():
+    with pytest.raises(ValueError):
+        fetch("not-an-address", bytes(16))
+    with pytest.raises(ValueError):
+        fetch("@x", b"short")
