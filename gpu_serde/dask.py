@@ -16,7 +16,7 @@ import logging
 import os
 from typing import Any
 
-from cuda.core import Device
+from cuda.core import Buffer, Device, DeviceMemoryResource
 from dask.tokenize import normalize_token
 from distributed.diagnostics.plugin import WorkerPlugin
 
@@ -34,6 +34,18 @@ def _tokenize_device(dev: Device) -> tuple:
     ordinal = dev.device_id
     raw = uuid_bytes(devices[ordinal].uuid) if ordinal < len(devices) else uuid_bytes(dev.uuid)
     return ("cuda.core.Device", raw)
+
+
+@normalize_token.register(Buffer)
+def _tokenize_buffer(buf: Buffer) -> tuple:
+    """Buffers hash by address and size: hashing never exports them (which would keep them
+    alive for importers that never come)."""
+    return ("cuda.core.Buffer", int(buf.handle), buf.size, os.getpid())
+
+
+@normalize_token.register(DeviceMemoryResource)
+def _tokenize_pool(mr: DeviceMemoryResource) -> tuple:
+    return ("cuda.core.DeviceMemoryResource", str(mr.uuid), id(mr), os.getpid())
 
 
 def _setup_worker(worker: Any) -> None:

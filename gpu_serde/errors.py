@@ -43,3 +43,11 @@ class ExporterGoneError(HandoffError):
 
 class TokenRefusedError(HandoffError):
     """The exporter's broker refused the request: unknown or released token, or another user."""
+
+
+class NotIPCEnabledError(HandoffError, TypeError):
+    """A memory resource or buffer that cannot cross processes (its pool is not IPC-enabled)."""
+
+
+class OtherHostError(HandoffError):
+    """GPU memory sent to a process on another host (memory crosses processes only on its host)."""

@@ -16,11 +16,15 @@ import secrets
 import socket
 import struct
 import threading
+import time
+from collections.abc import Callable
 
 from gpu_serde.errors import ExporterGoneError, TokenRefusedError
 
 TOKEN_BYTES = 16
 _FETCH = b"F"
+_ACQUIRE = b"A"
+_RELEASE = b"R"
 _OK = b"K"
 _NO = b"N"
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -47,6 +51,8 @@ class Broker:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._fds: dict[bytes, int] = {}
+        # token -> [object, live importers, ever acquired, on_release, grace s, let go at]
+        self._holds: dict[bytes, list] = {}
         self._closed = False
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         name = f"gpu_serde-{os.getpid()}-{secrets.token_hex(8)}"
@@ -74,6 +80,55 @@ class Broker:
         if fd is not None:
             os.close(fd)
 
+    def hold(
+        self, obj: object, on_release: Callable[[object], None], *, grace: float = 0.0
+    ) -> bytes:
+        """Keep ``obj`` alive for importers; return its token.
+
+        Once it has been acquired and every acquirer has released it, the broker waits ``grace``
+        seconds (a new acquire in that time keeps it), then drops it and calls ``on_release(obj)``
+        in the broker's thread. An object never acquired is kept until :meth:`close` or exit.
+        """
+        token = secrets.token_bytes(TOKEN_BYTES)
+        with self._lock:
+            self._holds[token] = [obj, 0, False, on_release, grace, None]
+        return token
+
+    def peek(self, token: bytes) -> object | None:
+        """The object held under ``token``, or None."""
+        with self._lock:
+            entry = self._holds.get(token)
+            return entry[0] if entry else None
+
+    def held(self) -> int:
+        """How many objects the broker keeps alive for importers."""
+        with self._lock:
+            return len(self._holds)
+
+    def _count(self, token: bytes, delta: int) -> bool:
+        with self._lock:
+            entry = self._holds.get(token)
+            if entry is None or (delta < 0 and entry[1] <= 0):
+                return False  # unknown, let go already, or released more often than acquired
+            entry[1] += delta
+            entry[2] = entry[2] or delta > 0
+            entry[5] = time.monotonic() + entry[4] if entry[1] == 0 else None
+        self._sweep()
+        return True
+
+    def _sweep(self) -> None:
+        """Let go of objects whose importers all released them more than ``grace`` s ago."""
+        now = time.monotonic()
+        with self._lock:
+            due = [t for t, e in self._holds.items() if e[5] is not None and e[5] <= now]
+            dropped = [self._holds.pop(t) for t in due]
+        for entry in dropped:
+            obj, on_release = entry[0], entry[3]
+            entry.clear()
+            with contextlib.suppress(Exception):  # the exporter's callback must not kill the broker
+                on_release(obj)
+            del obj
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._fds)
@@ -83,6 +138,7 @@ class Broker:
         with self._lock:
             self._closed = True
             fds, self._fds = list(self._fds.values()), {}
+            self._holds.clear()
         for fd in fds:
             os.close(fd)
         with contextlib.suppress(OSError):
@@ -90,9 +146,13 @@ class Broker:
         self._sock.close()
 
     def _serve(self) -> None:
+        self._sock.settimeout(0.25)  # wake up to let go of released objects on time
         while True:
             try:
                 conn, _ = self._sock.accept()
+            except TimeoutError:
+                self._sweep()
+                continue
             except OSError:
                 return  # closed
             with conn, contextlib.suppress(OSError):
@@ -104,11 +164,15 @@ class Broker:
         if uid != os.getuid():
             return  # other users get nothing, not even an answer
         request = _recv_exact(conn, 1 + TOKEN_BYTES)
-        if len(request) != 1 + TOKEN_BYTES or request[:1] != _FETCH:
+        op, token = request[:1], request[1:]
+        if len(request) != 1 + TOKEN_BYTES or op not in (_FETCH, _ACQUIRE, _RELEASE):
             conn.sendall(_NO)
             return
+        if op != _FETCH:
+            conn.sendall(_OK if self._count(token, 1 if op == _ACQUIRE else -1) else _NO)
+            return
         with self._lock:
-            fd = self._fds.get(request[1:])
+            fd = self._fds.get(token)
             if fd is not None:
                 fd = os.dup(fd)  # survives a concurrent revoke while it is sent
         if fd is None:
@@ -142,16 +206,7 @@ def broker() -> Broker:
     return _broker
 
 
-def fetch(address: str, token: bytes, *, timeout: float = 1.0) -> int:
-    """Ask the broker at ``address`` for the descriptor behind ``token``; the caller owns (and
-    closes) the returned descriptor.
-
-    Raises:
-        ExporterGoneError: nothing listens at ``address``, the broker belongs to another user, or it
-            did not answer within ``timeout`` seconds.
-        TokenRefusedError: the broker refused the token (unknown, revoked) or this user.
-        ValueError: ``address`` or ``token`` is malformed.
-    """
+def _request(address: str, op: bytes, token: bytes, timeout: float) -> tuple[bytes, list[int]]:
     if not address.startswith("@") or len(address) > 100 or len(token) != TOKEN_BYTES:
         raise ValueError("a broker address is '@name' and a token 16 bytes")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -171,14 +226,57 @@ def fetch(address: str, token: bytes, *, timeout: float = 1.0) -> int:
                 f"{address} is served by uid {uid} (pid {pid}), not by this user: "
                 "not gpu_serde's broker"
             )
-        sock.sendall(_FETCH + token)
+        sock.sendall(op + token)
         msg, fds, _, _ = socket.recv_fds(sock, 1, 1)
+        return msg, fds
     except TimeoutError:
         raise ExporterGoneError(
             f"the descriptor broker {address} did not answer within {timeout} s"
         ) from None
     finally:
         sock.close()
+
+
+def acquire(address: str, token: bytes, *, timeout: float = 1.0) -> None:
+    """Tell the exporter an importer now uses the object held under ``token``.
+
+    Raises:
+        ExporterGoneError: as :func:`fetch`.
+        TokenRefusedError: the exporter no longer holds it (its last importer released it).
+    """
+    msg, fds = _request(address, _ACQUIRE, token, timeout)
+    for fd in fds:
+        os.close(fd)
+    if msg != _OK:
+        raise TokenRefusedError(
+            f"the exporter ({address}) no longer holds this object: every earlier importer "
+            "released it; send it again from the exporter"
+        )
+
+
+def release(address: str, token: bytes, *, timeout: float = 1.0) -> bool:
+    """Tell the exporter one importer let go of the object held under ``token``; True if the
+    exporter counted it. Never raises for a vanished exporter (nothing is left to release)."""
+    try:
+        msg, fds = _request(address, _RELEASE, token, timeout)
+    except ExporterGoneError:
+        return False
+    for fd in fds:
+        os.close(fd)
+    return msg == _OK
+
+
+def fetch(address: str, token: bytes, *, timeout: float = 1.0) -> int:
+    """Ask the broker at ``address`` for the descriptor behind ``token``; the caller owns (and
+    closes) the returned descriptor.
+
+    Raises:
+        ExporterGoneError: nothing listens at ``address``, the broker belongs to another user, or it
+            did not answer within ``timeout`` seconds.
+        TokenRefusedError: the broker refused the token (unknown, revoked) or this user.
+        ValueError: ``address`` or ``token`` is malformed.
+    """
+    msg, fds = _request(address, _FETCH, token, timeout)
     if msg == _OK and len(fds) == 1:
         return fds[0]
     for fd in fds:

@@ -133,12 +133,31 @@ def _enumerate() -> Inventory:
     return Inventory(tuple(devices), "", cvd, host, pid, _is_simulated(), by_uuid)
 
 
+def _after_fork_in_child() -> None:
+    global cached, _lock
+    _lock = threading.Lock()
+    parent = cached
+    if parent is not None and parent.devices:  # the parent initialised CUDA
+        cached = Inventory(
+            (),
+            f"this process was forked from pid {parent.pid} after CUDA was initialised there, and "
+            "CUDA cannot be used in such a child: start it with the 'spawn' or 'forkserver' method",
+            parent.cuda_visible_devices,
+            parent.host,
+            os.getpid(),
+            parent.simulated,
+        )
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def inventory() -> Inventory:
     """Return this process's :class:`Inventory`, enumerating the driver on the first call.
 
     CUDA reads ``CUDA_VISIBLE_DEVICES`` once per process, so the answer is cached for the process's
-    life (a forked child keeps its parent's view, as CUDA does). Never raises for a missing
-    driver or GPU.
+    life. A child forked after its parent initialised CUDA sees no GPU (CUDA cannot be used
+    there) and says why. Never raises for a missing driver or GPU.
     """
     global cached
     inv = cached

@@ -75,7 +75,7 @@ _short.maxlevel = 2
 
 
 def _fail(what: str, payload: object) -> PayloadError:
-    return PayloadError(f"invalid gpu_serde device payload: {what} (got {_short.repr(payload)})")
+    return PayloadError(f"invalid gpu_serde payload: {what} (got {_short.repr(payload)})")
 
 
 def validate_device(p: object) -> bytes:
@@ -85,7 +85,7 @@ def validate_device(p: object) -> bytes:
         PayloadError: not bytes, too short or too long, an unknown version or flag, or a host or
             name field out of bounds.
     """
-    if p.__class__ is bytes and MIN_SIZE <= len(p) <= MAX_SIZE and p[0] == VERSION and p[17] <= 1:
+    if type(p) is bytes and MIN_SIZE <= len(p) <= MAX_SIZE and p[0] == VERSION and p[17] <= 1:
         sep = p.find(b"\0", 24)
         if 24 <= sep <= 24 + MAX_TEXT and len(p) - sep - 1 <= MAX_TEXT:
             return p
@@ -138,3 +138,48 @@ def decode_device(p: object) -> DevicePayload:
 def payload_uuid(p: bytes) -> bytes:
     """The raw UUID of validated device wire bytes."""
     return p[1:17]
+
+
+ADDRESS_MAX = 100
+
+
+def validate_pool(p: object) -> tuple:
+    """Check a memory-pool payload ``(1, device payload, boot_id, broker address, token, pool)``.
+
+    Raises:
+        PayloadError: anything else.
+    """
+    if type(p) is not tuple or len(p) != 6:
+        raise _fail("a pool payload is a tuple of 6 fields", p)
+    version, dev, boot, address, token, pool = p
+    if type(version) is not int or version != VERSION:
+        raise _fail(f"pool payload version {version!r} is not understood (it reads {VERSION})", p)
+    validate_device(dev)
+    if type(boot) is not bytes or len(boot) != 16:
+        raise _fail("the host's boot id must be 16 bytes", p)
+    if type(address) is not str or not address.startswith("@") or len(address) > ADDRESS_MAX:
+        raise _fail("the broker address must be '@name' (at most 100 characters)", p)
+    if type(token) is not bytes or len(token) != 16 or type(pool) is not bytes or len(pool) != 16:
+        raise _fail("the token and the pool id must be 16 bytes each", p)
+    return p
+
+
+def validate_buffer(p: object) -> tuple:
+    """Check a buffer payload ``(1, pool payload, IPC descriptor bytes, size, token)``.
+
+    Raises:
+        PayloadError: anything else.
+    """
+    if type(p) is not tuple or len(p) != 5:
+        raise _fail("a buffer payload is a tuple of 5 fields", p)
+    version, pool, reserved, size, token = p
+    if type(version) is not int or version != VERSION:
+        raise _fail(f"buffer payload version {version!r} is not understood (it reads {VERSION})", p)
+    validate_pool(pool)
+    if type(reserved) is not bytes or not 0 < len(reserved) <= 256:
+        raise _fail("the IPC descriptor must be 1 to 256 bytes", p)
+    if type(size) is not int or not 0 < size < 1 << 62:
+        raise _fail("the size must be a positive int", p)
+    if type(token) is not bytes or len(token) != 16:
+        raise _fail("the token must be 16 bytes", p)
+    return p

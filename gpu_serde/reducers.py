@@ -22,7 +22,7 @@ from gpu_serde.payload import encode_device
 
 _lock = threading.Lock()
 _installed = False
-_saved: dict[str, Any] = {}
+_saved: dict[tuple[str, type], Any] = {}
 _payloads: dict[int, bytes] = {}
 os.register_at_fork(after_in_child=_payloads.clear)
 
@@ -37,20 +37,40 @@ def _payload_for(dev: Device, ordinal: int) -> bytes:
     return encode_device(raw, mig, ordinal, os.getpid(), inv.host, name)
 
 
-def reduce_device(dev: Device) -> tuple:
-    """Reducer for ``cuda.core.Device``: ``(gpu_serde.wire.dev, (payload,))``."""
+def device_payload(dev: Device) -> bytes:
+    """The wire bytes that name ``dev``'s GPU (cached per ordinal)."""
     ordinal = dev.device_id
     p = _payloads.get(ordinal)
     if p is None:
         p = _payloads[ordinal] = _payload_for(dev, ordinal)
-    return (wire.dev, (p,))
+    return p
+
+
+def reduce_device(dev: Device) -> tuple:
+    """Reducer for ``cuda.core.Device``: ``(gpu_serde.wire.dev, (payload,))``."""
+    p = _payloads.get(dev.device_id)
+    return (wire.dev, (p if p is not None else device_payload(dev),))
+
+
+def _reducers() -> dict[type, Any]:
+    from cuda.core import Buffer, DeviceMemoryResource
+
+    from gpu_serde import memory
+
+    return {
+        Device: reduce_device,
+        DeviceMemoryResource: memory.reduce_pool,
+        Buffer: memory.reduce_buffer,
+    }
 
 
 def install(strict: bool = False) -> None:
     """Make this process pickle ``cuda.core`` objects by GPU UUID.
 
-    Registers the reducers with :mod:`copyreg` (stdlib pickle, cloudpickle, Ray, Dask) and with
-    :mod:`multiprocessing`'s ``ForkingPickler``. Idempotent: calling it again only sets ``strict``.
+    Registers reducers for ``Device``, ``DeviceMemoryResource`` (IPC-enabled pools) and
+    ``Buffer`` (from such pools) with :mod:`copyreg` (stdlib pickle, cloudpickle, Ray, Dask) and
+    with :mod:`multiprocessing`'s ``ForkingPickler`` (replacing cuda.core's own ordinal-based
+    ones while installed). Idempotent: calling it again only sets ``strict``.
 
     Args:
         strict: when True, unpickling a Device whose GPU is not visible here raises
@@ -64,10 +84,11 @@ def install(strict: bool = False) -> None:
         wire.auto_install = False
         if _installed:
             return
-        _saved["copyreg"] = copyreg.dispatch_table.get(Device)
-        _saved["mp"] = ForkingPickler._extra_reducers.get(Device)
-        copyreg.pickle(Device, reduce_device)
-        ForkingPickler.register(Device, reduce_device)
+        for cls, reducer in _reducers().items():
+            _saved[("copyreg", cls)] = copyreg.dispatch_table.get(cls)
+            _saved[("mp", cls)] = ForkingPickler._extra_reducers.get(cls)
+            copyreg.pickle(cls, reducer)
+            ForkingPickler.register(cls, reducer)  # replaces cuda.core's ordinal reducers
         _installed = True
 
 
@@ -82,15 +103,13 @@ def uninstall() -> None:
         wire.auto_install = False
         if not _installed:
             return
-        for table, key in (
-            (copyreg.dispatch_table, "copyreg"),
-            (ForkingPickler._extra_reducers, "mp"),
-        ):
-            previous = _saved.pop(key, None)
+        tables = {"copyreg": copyreg.dispatch_table, "mp": ForkingPickler._extra_reducers}
+        for (name, cls), previous in list(_saved.items()):
             if previous is None:
-                table.pop(Device, None)
+                tables[name].pop(cls, None)
             else:
-                table[Device] = previous
+                tables[name][cls] = previous
+        _saved.clear()
         _installed = False
 
 
@@ -105,9 +124,17 @@ def resolve(obj: Any) -> Any:
     Raises:
         DeviceNotVisibleError: ``obj`` is a placeholder (:class:`~gpu_serde.UnresolvedDevice`);
             the message says which GPU was meant, where it lives, and what this process sees.
+        HandoffError: ``obj`` is an :class:`~gpu_serde.UnresolvedObject` for memory: the
+            subclass says why (``OtherHostError``, ``ExporterGoneError``, ``TokenRefusedError``),
+            or it raises ``DeviceNotVisibleError`` for memory of a GPU not visible here.
+        PayloadError: ``obj`` came from a gpu_serde that writes another payload version.
 
-    Every other object is returned unchanged.
+    A ``Device`` comes back as the calling thread's object for the same GPU (cuda.core keeps one
+    per thread; call ``resolve`` in the thread that uses it). Every other object is returned
+    unchanged.
     """
-    if isinstance(obj, wire.UnresolvedDevice):
+    if isinstance(obj, (wire.UnresolvedDevice, wire.UnresolvedObject)):
         raise obj._error()
+    if isinstance(obj, Device):
+        return Device(obj.device_id)  # this thread's object (Dask unpickles in another thread)
     return obj

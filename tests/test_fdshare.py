@@ -171,3 +171,41 @@ def test_malformed_requests_are_value_errors():
         fetch("not-an-address", bytes(16))
     with pytest.raises(ValueError):
         fetch("@x", b"short")
+
+
+def test_a_held_object_is_let_go_after_its_last_importer_releases_it():
+    from gpu_serde.fdshare import acquire, release
+
+    b = Broker()
+    let_go = []
+    try:
+        token = b.hold(["exported buffer"], let_go.append, grace=0.2)
+        acquire(b.address, token)
+        acquire(b.address, token)  # two importers
+        assert release(b.address, token)
+        time.sleep(0.5)
+        assert let_go == [] and b.held() == 1  # one importer still holds it
+        assert release(b.address, token)
+        assert let_go == [] and b.held() == 1  # within the grace period a hop may re-acquire
+        deadline = time.monotonic() + 3
+        while not let_go and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert let_go == [["exported buffer"]] and b.held() == 0
+        with pytest.raises(TokenRefusedError, match="no longer holds"):
+            acquire(b.address, token)
+        assert not release(b.address, token)
+    finally:
+        b.close()
+
+
+def test_an_object_never_imported_stays_held_and_release_without_acquire_is_refused():
+    from gpu_serde.fdshare import release
+
+    b = Broker()
+    try:
+        token = b.hold(object(), lambda obj: None)
+        assert not release(b.address, token)
+        time.sleep(0.3)
+        assert b.held() == 1
+    finally:
+        b.close()

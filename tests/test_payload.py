@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from gpu_serde import PayloadError
 from gpu_serde.payload import MAX_SIZE, decode_device, encode_device, validate_device
-from gpu_serde.wire import UnresolvedDevice, dev
+from gpu_serde.wire import UnresolvedDevice, UnresolvedObject, dev
 
 GOOD = encode_device(bytes(range(16)), False, 3, 4242, "node-a", "NVIDIA H200")
 
@@ -114,4 +114,13 @@ def test_the_reconstructor_never_raises_anything_but_payload_error(data):
         got = dev(bytes(blob))
     except PayloadError:
         return
-    assert isinstance(got, (Device, UnresolvedDevice))
+    assert isinstance(got, (Device, UnresolvedDevice, UnresolvedObject))
+
+
+def test_a_payload_from_another_gpu_serde_version_is_a_placeholder_not_a_dead_worker():
+    newer = bytes([2]) + GOOD[1:] + b"fields a newer version added"
+    got = dev(newer)
+    assert isinstance(got, UnresolvedObject)
+    assert pickle.dumps(got) == pickle.dumps(UnresolvedObject("Device", dev, newer, None))
+    with pytest.raises(PayloadError, match="payload version 2"):
+        got.uuid  # noqa: B018 - using it raises

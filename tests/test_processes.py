@@ -39,8 +39,8 @@ def test_reversed_order_child_gets_the_same_gpu_at_its_own_ordinal(installed, si
 
 
 def test_integer_cuda_visible_devices_are_followed(installed, sim_env):
-    got = run_child(RECEIVE, sim_env("2,1"), pickle.dumps(Device(1)))
-    assert got == {"kind": "device", "ordinal": 1, "uuid": bare(installed[1].uuid)}
+    got = run_child(RECEIVE, sim_env("1,2"), pickle.dumps(Device(1)))
+    assert got == {"kind": "device", "ordinal": 0, "uuid": bare(installed[1].uuid)}
 
 
 def test_child_selecting_by_uuid_prefix_gets_the_right_gpu(installed, sim_env):
@@ -56,10 +56,10 @@ def test_process_arguments_carry_the_uuid(installed, monkeypatch, start):
     ctx = multiprocessing.get_context(start)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", f"{gpus[2].uuid},{gpus[1].uuid}")
     queue = ctx.Queue()
-    child = ctx.Process(target=report_device, args=(queue, Device(1)))
+    child = ctx.Process(target=report_device, args=(queue, Device(2)))  # an ordinal it lacks
     child.start()
     try:
-        assert queue.get(timeout=60) == ("ok", 1, bare(gpus[1].uuid))
+        assert queue.get(timeout=60) == ("ok", 0, bare(gpus[2].uuid))
     finally:
         child.join(30)
     assert child.exitcode == 0
@@ -124,3 +124,24 @@ report(before=before, ordinal=d.device_id, after=is_installed(), resent=b"gpu_se
 """
     got = run_child(code, sim_env([installed[3].uuid]), pickle.dumps(Device(3)))
     assert got == {"before": False, "ordinal": 0, "after": True, "resent": True}
+
+
+def test_a_child_forked_after_cuda_started_gets_a_clear_reason_not_a_broken_device(installed):
+    import os
+
+    blob = pickle.dumps(Device(0))
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        try:
+            gpu_serde.resolve(pickle.loads(blob))
+            message = "resolved"
+        except gpu_serde.DeviceNotVisibleError as exc:
+            message = str(exc)
+        os.write(write, message.encode()[:4000])
+        os._exit(0)
+    os.close(write)
+    message = os.read(read, 4000).decode()
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert "forked from pid" in message and "spawn" in message

@@ -148,9 +148,10 @@ def test_the_worker_hook_leaves_gpu_assignment_to_ray(cluster):
 
 
 def test_num_gpus_1_tasks_receive_the_gpu_with_the_same_uuid(cluster):
+    resolved = 0
     for node, order in cluster.items():
         for uuid in order:
-            for _ in range(2):
+            for _ in range(4):
                 ref = where_is.options(num_gpus=1, **on(node)).remote(driver_device(uuid))
                 try:
                     ordinal, got, _ = ray.get(ref)
@@ -164,6 +165,8 @@ def test_num_gpus_1_tasks_receive_the_gpu_with_the_same_uuid(cluster):
                 # the GPU is the same physical one.
                 assert got == bare(uuid)
                 assert ordinal in (0, 1)
+                resolved += 1
+    assert resolved  # Ray gave some task the GPU it was sent (odds of never: 2**-16)
 
 
 def test_actors_receive_the_same_gpu_in_constructor_and_methods(cluster):

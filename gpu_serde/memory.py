@@ -1,0 +1,210 @@
+"""GPU memory across processes: IPC-enabled ``DeviceMemoryResource`` pools and their ``Buffer``s.
+
+A pool travels as its device's UUID, the exporting host's kernel ``boot_id`` and a token for the
+exporter's descriptor broker (:mod:`gpu_serde.fdshare`); the receiver checks the host, resolves the
+device, fetches the pool's descriptor and imports the pool once per process. A buffer travels as
+its pool plus cuda.core's 64-byte IPC descriptor and a token under which the exporter keeps the
+buffer alive until its importers have released it (or the exporter exits).
+
+Failures while rebuilding never raise (a raising reconstructor kills a Dask worker): they give an
+:class:`~gpu_serde.UnresolvedObject` placeholder that raises the typed error when used (or, under
+``install(strict=True)``, raise at once).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+import uuid as _uuid
+import weakref
+
+from cuda.core import Buffer, Device, DeviceMemoryResource
+
+from gpu_serde import fdshare, wire
+from gpu_serde import inventory as _inventory
+from gpu_serde.errors import (
+    DeviceNotVisibleError,
+    HandoffError,
+    NotIPCEnabledError,
+    OtherHostError,
+)
+from gpu_serde.payload import decode_device, validate_buffer, validate_pool
+
+#: Seconds the exporter still keeps a buffer after its last importer released it, so that a hop
+#: (a Dask scheduler, a Ray task passing it on) that imported and dropped it does not free it
+#: under the next importer. Set it before the first export.
+RELEASE_GRACE_S = float(os.environ.get("GPU_SERDE_RELEASE_GRACE_S", "5"))
+
+_lock = threading.RLock()
+_exported: dict[bytes, tuple] = {}  # pool uuid -> payload, for pools this process exports
+_exported_pools: dict[bytes, DeviceMemoryResource] = {}
+_imported: dict[bytes, DeviceMemoryResource] = {}  # pool uuid -> the pool imported here
+_origin: dict[int, tuple] = {}  # id(imported pool or buffer) -> the payload it came with
+
+
+def _boot_id() -> bytes:
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        return _uuid.UUID(f.read().strip()).bytes
+
+
+BOOT_ID = _boot_id()
+
+
+def _pool_payload(mr: DeviceMemoryResource) -> tuple:
+    origin = _origin.get(id(mr))
+    if origin is not None:
+        return origin  # an imported pool travels on as it came
+    if not isinstance(mr, DeviceMemoryResource) or not mr.is_ipc_enabled:
+        raise NotIPCEnabledError(
+            f"{mr!r} cannot be sent to another process: its pool is not IPC-enabled. Create it "
+            "with DeviceMemoryResource(device, DeviceMemoryResourceOptions(ipc_enabled=True, "
+            "max_size=...))"
+        )
+    pool = mr.uuid.bytes
+    with _lock:
+        p = _exported.get(pool)
+        if p is None:
+            from gpu_serde.reducers import device_payload
+
+            handle = mr.allocation_handle
+            token = fdshare.broker().offer(int(handle))
+            dev = Device(mr.device_id)
+            p = (1, device_payload(dev), BOOT_ID, fdshare.broker().address, token, pool)
+            _exported[pool], _exported_pools[pool] = p, mr
+    return p
+
+
+def reduce_pool(mr: DeviceMemoryResource) -> tuple:
+    """Reducer for ``DeviceMemoryResource``: ``(gpu_serde.wire.pool, (payload,))``.
+
+    Raises:
+        NotIPCEnabledError: the pool is not IPC-enabled.
+    """
+    return (wire.pool, (_pool_payload(mr),))
+
+
+def _import_pool(p: tuple) -> DeviceMemoryResource:
+    """Import (once per process) the pool a validated payload names, or raise why not."""
+    _, dev_payload, boot, address, token, pool = p
+    with _lock:
+        home = _exported_pools.get(pool)
+        if home is not None:
+            return home  # back in the exporting process: the original pool
+        mr = _imported.get(pool)
+        if mr is not None:
+            return mr
+    d = decode_device(dev_payload)
+    if boot != BOOT_ID:
+        raise OtherHostError(
+            f"GPU memory from host {d.host!r} (pid {d.pid}, GPU {d.canonical_uuid}) reached "
+            f"host {_inventory.inventory().host!r}: GPU memory crosses processes only on the host "
+            "that exported it. Copy it to host memory first, or run this work on that host."
+        )
+    inv = _inventory.inventory()
+    ordinal = inv.by_uuid.get(d.uuid)
+    if ordinal is None:
+        raise wire.not_visible_error(d, inv)
+    fd = fdshare.fetch(address, token)
+    try:
+        mr = DeviceMemoryResource.from_allocation_handle(Device(ordinal), fd)
+    except Exception as exc:
+        raise HandoffError(f"importing the memory pool failed: {exc}") from exc
+    finally:
+        os.close(fd)
+    with _lock:
+        mr = _imported.setdefault(pool, mr)
+        _origin[id(mr)] = p
+    return mr
+
+
+def rebuild_pool(p: tuple) -> DeviceMemoryResource | wire.UnresolvedObject:
+    """Reconstructor body of :func:`gpu_serde.wire.pool` (payload already validated)."""
+    try:
+        return _import_pool(p)
+    except (HandoffError, DeviceNotVisibleError) as exc:
+        if wire.strict:
+            raise
+        return wire.UnresolvedObject("DeviceMemoryResource", wire.pool, p, exc)
+
+
+def _let_go(buf: Buffer) -> None:
+    """Runs in the broker's thread when the last importer released ``buf``."""
+    Device(buf.device_id).set_current()  # freeing needs the device's context in this thread
+
+
+def reduce_buffer(buf: Buffer) -> tuple:
+    """Reducer for ``Buffer``: ``(gpu_serde.wire.buf, (payload,))``; keeps ``buf`` alive for its
+    importers.
+
+    Raises:
+        NotIPCEnabledError: the buffer does not come from an IPC-enabled DeviceMemoryResource.
+    """
+    origin = _origin.get(id(buf))
+    if origin is not None:
+        return (wire.buf, (origin,))
+    mr = buf.memory_resource
+    if not isinstance(mr, DeviceMemoryResource):
+        raise NotIPCEnabledError(
+            f"{buf!r} cannot be sent to another process without a copy: only buffers allocated "
+            "from an IPC-enabled DeviceMemoryResource can"
+        )
+    pool = _pool_payload(mr)
+    reserved, size = buf.ipc_descriptor.__reduce__()[1]
+    token = fdshare.broker().hold(buf, _let_go, grace=RELEASE_GRACE_S)
+    return (wire.buf, ((1, pool, bytes(reserved), int(size), token),))
+
+
+_releases: queue.SimpleQueue = queue.SimpleQueue()
+
+
+def _release_worker() -> None:
+    while True:
+        address, token = _releases.get()
+        time.sleep(0.01)  # the importer's Buffer finishes freeing before the exporter is told
+        fdshare.release(address, token)
+
+
+threading.Thread(target=_release_worker, name="gpu_serde-release", daemon=True).start()
+
+
+def _forget(key: int, address: str, token: bytes) -> None:
+    _origin.pop(key, None)
+    _releases.put((address, token))
+
+
+def rebuild_buffer(p: tuple) -> Buffer | wire.UnresolvedObject:
+    """Reconstructor body of :func:`gpu_serde.wire.buf` (payload already validated)."""
+    _, pool_payload, reserved, size, token = p
+    address = pool_payload[3]
+    try:
+        mr = _import_pool(pool_payload)
+        with _lock:
+            home = pool_payload[5] in _exported_pools
+        held = fdshare.broker().peek(token) if home else None
+        if held is not None:
+            return held  # back in the exporting process: the original buffer
+        fdshare.acquire(address, token)
+        try:
+            from cuda.core._memory._ipc import IPCBufferDescriptor  # not public in cuda.core 1.2
+
+            dev = Device(mr.device_id)
+            dev.set_current()
+            desc = IPCBufferDescriptor._init(reserved, size)
+            buf = Buffer.from_ipc_descriptor(mr, desc, stream=dev.default_stream)
+        except Exception as exc:
+            fdshare.release(address, token)
+            raise HandoffError(f"mapping the exported buffer failed: {exc}") from exc
+    except (HandoffError, DeviceNotVisibleError) as exc:
+        if wire.strict:
+            raise
+        return wire.UnresolvedObject("Buffer", wire.buf, p, exc)
+    _origin[id(buf)] = p
+    weakref.finalize(buf, _forget, id(buf), address, token)
+    return buf
+
+
+def validate(kind: str, p: object) -> tuple:
+    """Validate a pool (``kind="pool"``) or buffer payload; raise PayloadError if malformed."""
+    return validate_pool(p) if kind == "pool" else validate_buffer(p)

@@ -1,0 +1,133 @@
+"""Memory payloads on the CPU tier: every failure to rebuild is a placeholder with a typed error
+(never an exception at unpickling, unless strict), and malformed payloads are PayloadErrors.
+Importing real pools and buffers needs a GPU: see test_gpu_memory.py."""
+
+import pickle
+import time
+
+import pytest
+from cuda.core import Device
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gpu_serde
+from gpu_serde import (
+    DeviceNotVisibleError,
+    ExporterGoneError,
+    OtherHostError,
+    PayloadError,
+)
+from gpu_serde.memory import BOOT_ID
+from gpu_serde.payload import encode_device, validate_buffer, validate_pool
+from gpu_serde.reducers import device_payload
+from gpu_serde.wire import UnresolvedObject, buf, pool
+
+NOBODY = "@gpu_serde-test-nobody-listens"
+
+
+def pool_payload(dev: bytes, boot: bytes = BOOT_ID) -> tuple:
+    return (1, dev, boot, NOBODY, bytes(range(16)), bytes(range(16, 32)))
+
+
+def buffer_payload(pool_p: tuple) -> tuple:
+    return (1, pool_p, b"\x01" * 64, 1 << 30, bytes(16))
+
+
+@pytest.fixture
+def visible_dev(simulated_gpus) -> bytes:
+    return device_payload(Device(1))
+
+
+def carrier(rebuild, payload) -> bytes:
+    return pickle.dumps(UnresolvedObject("x", rebuild, payload, RuntimeError("unused")))
+
+
+@pytest.mark.parametrize("rebuild", [pool, buf], ids=["pool", "buffer"])
+def test_memory_from_another_host_is_a_placeholder_naming_both_hosts(visible_dev, rebuild):
+    p = pool_payload(visible_dev, boot=bytes(16))
+    p = p if rebuild is pool else buffer_payload(p)
+    got = pickle.loads(carrier(rebuild, p))
+    assert isinstance(got, UnresolvedObject)
+    with pytest.raises(OtherHostError, match="crosses processes only on the host"):
+        gpu_serde.resolve(got)
+    with pytest.raises(OtherHostError):
+        got.size  # noqa: B018 - using it raises
+    assert pickle.dumps(got) == carrier(rebuild, p)  # forwards unchanged
+
+
+def test_memory_of_a_gpu_not_visible_here_names_the_gpu(simulated_gpus):
+    stranger = encode_device(bytes.fromhex("ab" * 16), False, 0, 1, "node-x", "NVIDIA H200")
+    got = pickle.loads(carrier(pool, pool_payload(stranger)))
+    with pytest.raises(DeviceNotVisibleError, match="abababab"):
+        gpu_serde.resolve(got)
+
+
+def test_a_gone_exporter_is_reported_within_a_second(visible_dev):
+    started = time.monotonic()
+    got = pickle.loads(carrier(buf, buffer_payload(pool_payload(visible_dev))))
+    assert time.monotonic() - started < 1.0
+    with pytest.raises(ExporterGoneError, match="gone"):
+        gpu_serde.resolve(got)
+
+
+def test_strict_mode_raises_at_unpickling(visible_dev):
+    blob = carrier(pool, pool_payload(visible_dev, boot=bytes(16)))
+    gpu_serde.install(strict=True)
+    try:
+        with pytest.raises(OtherHostError):
+            pickle.loads(blob)
+    finally:
+        gpu_serde.uninstall()
+
+
+@pytest.mark.parametrize(
+    ("bad", "says"),
+    [
+        ([], "tuple of 6"),
+        ((2, b"", b"", "", b"", b""), "version 2"),
+        ((1, b"\x01junk", BOOT_ID, NOBODY, bytes(16), bytes(16)), "truncated"),
+        ((1, None, BOOT_ID, NOBODY, bytes(16), bytes(16)), "expected bytes"),
+        ("boot", "boot id"),
+        ("address", "broker address"),
+        ("token", "16 bytes each"),
+    ],
+)
+def test_pool_payload_defects_are_named(visible_dev, bad, says):
+    good = list(pool_payload(visible_dev))
+    if bad == "boot":
+        good[2] = b"short"
+        bad = tuple(good)
+    elif bad == "address":
+        good[3] = "/tmp/socket"
+        bad = tuple(good)
+    elif bad == "token":
+        good[4] = b"x"
+        bad = tuple(good)
+    with pytest.raises(PayloadError, match=says):
+        validate_pool(bad)
+
+
+def test_buffer_payload_defects_are_named(visible_dev):
+    good = buffer_payload(pool_payload(visible_dev))
+    for bad, says in [
+        (good[:4], "tuple of 5"),
+        ((1, good[1], b"", *good[3:]), "descriptor"),
+        ((1, good[1], good[2], -1, good[4]), "size"),
+        ((1, good[1], good[2], good[3], b"t"), "token"),
+    ]:
+        with pytest.raises(PayloadError, match=says):
+            validate_buffer(bad)
+
+
+plain = st.one_of(st.none(), st.integers(), st.binary(max_size=40), st.text(max_size=40))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(plain, max_size=7).map(tuple), st.integers(min_value=0, max_value=6))
+def test_fuzzed_memory_payloads_raise_only_payload_error(fields, keep):
+    for rebuild in (pool, buf):
+        try:
+            got = rebuild(fields)
+        except PayloadError:
+            continue
+        assert isinstance(got, UnresolvedObject)  # only reachable with a well-formed payload
