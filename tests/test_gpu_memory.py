@@ -167,7 +167,7 @@ def test_a_dask_worker_hands_a_gib_to_another(pool, real_gpu):
             "cls": Nanny,
             "options": {"nthreads": 1, "host": "127.0.0.1", "env": {"CUDA_VISIBLE_DEVICES": cvd}},
         }
-        for name, cvd in {"a": uuid, "b": uuid[:12]}.items()
+        for name, cvd in {"a": uuid, "b": uuid}.items()
     }
     scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": ":0"}}
 
