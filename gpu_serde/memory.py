@@ -13,12 +13,15 @@ Failures while rebuilding never raise (a raising reconstructor kills a Dask work
 
 from __future__ import annotations
 
+import atexit
+import multiprocessing.util
 import os
 import queue
 import threading
 import time
 import uuid as _uuid
 import weakref
+from collections import Counter
 
 from cuda.core import Buffer, Device, DeviceMemoryResource
 
@@ -157,13 +160,24 @@ def reduce_buffer(buf: Buffer) -> tuple:
 
 
 _releases: queue.SimpleQueue = queue.SimpleQueue()
+_live: dict[int, tuple[str, bytes]] = {}  # id(imported buffer) -> (broker address, token)
+_pending: Counter[tuple[str, bytes]] = Counter()  # released here, exporter not yet told
+_send_lock = threading.Lock()
+
+
+def _send_pending(item: tuple[str, bytes]) -> None:
+    with _send_lock:
+        if not _pending[item]:
+            return  # told already (at exit)
+        _pending[item] -= 1
+        fdshare.release(*item)
 
 
 def _release_worker() -> None:
     while True:
-        address, token = _releases.get()
+        item = _releases.get()
         time.sleep(0.01)  # the importer's Buffer finishes freeing before the exporter is told
-        fdshare.release(address, token)
+        _send_pending(item)
 
 
 threading.Thread(target=_release_worker, name="gpu_serde-release", daemon=True).start()
@@ -171,7 +185,24 @@ threading.Thread(target=_release_worker, name="gpu_serde-release", daemon=True).
 
 def _forget(key: int, address: str, token: bytes) -> None:
     _origin.pop(key, None)
-    _releases.put((address, token))
+    if _live.pop(key, None) is not None:
+        with _send_lock:
+            _pending[(address, token)] += 1
+        _releases.put((address, token))
+
+
+def _release_all_at_exit() -> None:
+    """An importer that exits tells the exporters about everything it held or had released."""
+    with _send_lock:
+        items = list(_live.values()) + list(_pending.elements())
+        _live.clear()
+        _pending.clear()
+        for address, token in items:
+            fdshare.release(address, token, timeout=0.5)
+
+
+atexit.register(_release_all_at_exit)
+multiprocessing.util.Finalize(None, _release_all_at_exit, exitpriority=100)  # mp children
 
 
 def rebuild_buffer(p: tuple) -> Buffer | wire.UnresolvedObject:
@@ -201,6 +232,7 @@ def rebuild_buffer(p: tuple) -> Buffer | wire.UnresolvedObject:
             raise
         return wire.UnresolvedObject("Buffer", wire.buf, p, exc)
     _origin[id(buf)] = p
+    _live[id(buf)] = (address, token)
     weakref.finalize(buf, _forget, id(buf), address, token)
     return buf
 
