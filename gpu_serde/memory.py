@@ -1,4 +1,4 @@
-"""GPU memory across processes: IPC-enabled ``DeviceMemoryResource`` pools and their ``Buffer``s.
+"""GPU memory across processes: IPC-enabled ``DeviceMemoryResource`` pools and their buffers.
 
 A pool travels as its device's UUID, the exporting host's kernel ``boot_id`` and a token for the
 exporter's descriptor broker (:mod:`gpu_serde.fdshare`); the receiver checks the host, resolves the
