@@ -22,6 +22,7 @@ from collections.abc import Callable
 from gpu_serde.errors import ExporterGoneError, TokenRefusedError
 
 TOKEN_BYTES = 16
+ADDRESS_MAX = 100  # abstract socket names stay well under the 107-byte limit
 _FETCH = b"F"
 _ACQUIRE = b"A"
 _RELEASE = b"R"
@@ -57,7 +58,7 @@ class Broker:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         name = f"gpu_serde-{os.getpid()}-{secrets.token_hex(8)}"
         self._sock.bind("\0" + name)
-        self._sock.listen(64)
+        self._sock.listen(512)
         self.address = "@" + name
         self._thread = threading.Thread(target=self._serve, name="gpu_serde-broker", daemon=True)
         self._thread.start()
@@ -91,6 +92,8 @@ class Broker:
         """
         token = secrets.token_bytes(TOKEN_BYTES)
         with self._lock:
+            if self._closed:
+                raise RuntimeError("the descriptor broker is closed")
             self._holds[token] = [obj, 0, False, on_release, grace, None]
         return token
 
@@ -113,7 +116,6 @@ class Broker:
             entry[1] += delta
             entry[2] = entry[2] or delta > 0
             entry[5] = time.monotonic() + entry[4] if entry[1] == 0 else None
-        self._sweep()
         return True
 
     def _sweep(self) -> None:
@@ -154,9 +156,17 @@ class Broker:
                 self._sweep()
                 continue
             except OSError:
-                return  # closed
-            with conn, contextlib.suppress(OSError):
-                self._answer(conn)
+                if self._closed:
+                    return
+                time.sleep(0.05)  # EMFILE, ECONNABORTED...: keep serving
+                continue
+            # one short-lived thread per request: a slow or silent peer holds up no one else
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):
+            self._answer(conn)
+        self._sweep()  # after the answer: letting go of an object never delays a reply
 
     def _answer(self, conn: socket.socket) -> None:
         conn.settimeout(1.0)  # a silent peer never holds the broker up for long
@@ -189,8 +199,14 @@ _broker_lock = threading.Lock()
 
 
 def _forget_after_fork() -> None:
+    """A forked child serves nothing of its parent's: close the inherited socket and
+    descriptors (the parent's stay open), forget the held objects; a new broker starts on use."""
     global _broker, _broker_lock
-    _broker, _broker_lock = None, threading.Lock()  # the thread did not survive the fork
+    inherited, _broker, _broker_lock = _broker, None, threading.Lock()
+    if inherited is not None:
+        inherited._lock = threading.Lock()
+        inherited._holds.clear()  # the parent keeps these alive, not the child
+        inherited.close()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
@@ -207,31 +223,52 @@ def broker() -> Broker:
 
 
 def _request(address: str, op: bytes, token: bytes, timeout: float) -> tuple[bytes, list[int]]:
-    if not address.startswith("@") or len(address) > 100 or len(token) != TOKEN_BYTES:
-        raise ValueError("a broker address is '@name' and a token 16 bytes")
+    if (
+        not address.startswith("@")
+        or not address.isascii()
+        or len(address) > ADDRESS_MAX
+        or len(token) != TOKEN_BYTES
+    ):
+        raise ValueError("a broker address is '@name' (ASCII) and a token 16 bytes")
+    deadline = time.monotonic() + timeout
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
     try:
-        try:
-            sock.connect("\0" + address[1:])
-        except OSError as exc:
-            raise ExporterGoneError(
-                f"the exporting process's descriptor broker {address} is gone "
-                f"({exc.strerror or exc}): the exporter exited, or lives in another network "
-                "namespace (container)"
-            ) from None
+        while True:
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                sock.connect("\0" + address[1:])
+                break
+            except BlockingIOError:  # the broker's backlog is full: it is busy, not gone
+                if time.monotonic() >= deadline:
+                    raise TimeoutError from None
+                time.sleep(0.01)
+            except TimeoutError:
+                raise
+            except OSError as exc:
+                raise ExporterGoneError(
+                    f"the exporting process's descriptor broker {address} is gone "
+                    f"({exc.strerror or exc}): the exporter exited, or lives in another network "
+                    "namespace (container)"
+                ) from None
         pid, uid = _peer(sock)
         if uid != os.getuid():
             raise ExporterGoneError(
                 f"{address} is served by uid {uid} (pid {pid}), not by this user: "
                 "not gpu_serde's broker"
             )
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
         sock.sendall(op + token)
         msg, fds, _, _ = socket.recv_fds(sock, 1, 1)
         return msg, fds
     except TimeoutError:
         raise ExporterGoneError(
             f"the descriptor broker {address} did not answer within {timeout} s"
+        ) from None
+    except ExporterGoneError:
+        raise
+    except OSError as exc:  # reset or broken pipe: the exporter went away mid-request
+        raise ExporterGoneError(
+            f"the descriptor broker {address} hung up ({exc.strerror or exc})"
         ) from None
     finally:
         sock.close()
@@ -273,7 +310,7 @@ def fetch(address: str, token: bytes, *, timeout: float = 1.0) -> int:
     Raises:
         ExporterGoneError: nothing listens at ``address``, the broker belongs to another user, or it
             did not answer within ``timeout`` seconds.
-        TokenRefusedError: the broker refused the token (unknown, revoked) or this user.
+        TokenRefusedError: the broker refused the token (unknown or revoked).
         ValueError: ``address`` or ``token`` is malformed.
     """
     msg, fds = _request(address, _FETCH, token, timeout)

@@ -14,6 +14,7 @@ Failures while rebuilding never raise (a raising reconstructor kills a Dask work
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing.util
 import os
 import queue
@@ -21,7 +22,6 @@ import threading
 import time
 import uuid as _uuid
 import weakref
-from collections import Counter
 
 from cuda.core import Buffer, Device, DeviceMemoryResource
 
@@ -45,6 +45,7 @@ _exported: dict[bytes, tuple] = {}  # pool uuid -> payload, for pools this proce
 _exported_pools: dict[bytes, DeviceMemoryResource] = {}
 _imported: dict[bytes, DeviceMemoryResource] = {}  # pool uuid -> the pool imported here
 _origin: dict[int, tuple] = {}  # id(imported pool or buffer) -> the payload it came with
+_sent: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # buffer -> its payload (one hold)
 
 
 def _boot_id() -> bytes:
@@ -71,10 +72,10 @@ def _pool_payload(mr: DeviceMemoryResource) -> tuple:
         if p is None:
             from gpu_serde.reducers import device_payload
 
+            dev_payload = device_payload(Device(mr.device_id))
             handle = mr.allocation_handle
             token = fdshare.broker().offer(int(handle))
-            dev = Device(mr.device_id)
-            p = (1, device_payload(dev), BOOT_ID, fdshare.broker().address, token, pool)
+            p = (1, dev_payload, BOOT_ID, fdshare.broker().address, token, pool)
             _exported[pool], _exported_pools[pool] = p, mr
     return p
 
@@ -90,14 +91,18 @@ def reduce_pool(mr: DeviceMemoryResource) -> tuple:
 
 def _import_pool(p: tuple) -> DeviceMemoryResource:
     """Import (once per process) the pool a validated payload names, or raise why not."""
+    with _lock:  # one import per pool, also when threads race
+        return _import_pool_locked(p)
+
+
+def _import_pool_locked(p: tuple) -> DeviceMemoryResource:
     _, dev_payload, boot, address, token, pool = p
-    with _lock:
-        home = _exported_pools.get(pool)
-        if home is not None:
-            return home  # back in the exporting process: the original pool
-        mr = _imported.get(pool)
-        if mr is not None:
-            return mr
+    home = _exported_pools.get(pool)
+    if home is not None:
+        return home  # back in the exporting process: the original pool
+    mr = _imported.get(pool)
+    if mr is not None:
+        return mr
     d = decode_device(dev_payload)
     if boot != BOOT_ID:
         raise OtherHostError(
@@ -116,9 +121,8 @@ def _import_pool(p: tuple) -> DeviceMemoryResource:
         raise HandoffError(f"importing the memory pool failed: {exc}") from exc
     finally:
         os.close(fd)
-    with _lock:
-        mr = _imported.setdefault(pool, mr)
-        _origin[id(mr)] = p
+    _imported[pool] = mr
+    _origin[id(mr)] = p
     return mr
 
 
@@ -154,55 +158,96 @@ def reduce_buffer(buf: Buffer) -> tuple:
             "from an IPC-enabled DeviceMemoryResource can"
         )
     pool = _pool_payload(mr)
-    reserved, size = buf.ipc_descriptor.__reduce__()[1]
-    token = fdshare.broker().hold(buf, _let_go, grace=RELEASE_GRACE_S)
-    return (wire.buf, ((1, pool, bytes(reserved), int(size), token),))
+    b = fdshare.broker()
+    with _lock:
+        sent = _sent.get(buf)
+        if sent is None or b.peek(sent[4]) is not buf:  # first time, or let go since
+            reserved, size = buf.ipc_descriptor.__reduce__()[1]
+            token = b.hold(buf, _let_go, grace=RELEASE_GRACE_S)
+            sent = _sent[buf] = (1, pool, bytes(reserved), int(size), token)
+    return (wire.buf, (sent,))
 
 
+# Releases: a finalizer only puts on a queue (it may run inside garbage collection, in any
+# thread, so it takes no lock and does no I/O); one worker thread tells the exporters.
 _releases: queue.SimpleQueue = queue.SimpleQueue()
-_live: dict[int, tuple[str, bytes]] = {}  # id(imported buffer) -> (broker address, token)
-_pending: Counter[tuple[str, bytes]] = Counter()  # released here, exporter not yet told
-_send_lock = threading.Lock()
+_live: dict[int, tuple[str, bytes, int]] = {}  # id(imported buffer) -> (address, token, device)
+_sending = threading.Lock()  # held by the worker while it tells one exporter
 
 
-def _send_pending(item: tuple[str, bytes]) -> None:
-    with _send_lock:
-        if not _pending[item]:
-            return  # told already (at exit)
-        _pending[item] -= 1
-        fdshare.release(*item)
+def _tell(address: str, token: bytes, device: int) -> None:
+    try:
+        # the finalizer ran just before the importer's Buffer queued its free: let that happen,
+        # then wait for the device, so the exporter frees only after the mapping is gone
+        time.sleep(0.01)
+        Device(device).set_current()
+        Device(device).sync()
+    except Exception:  # the release below matters more than the wait
+        pass
+    fdshare.release(address, token)
 
 
 def _release_worker() -> None:
     while True:
         item = _releases.get()
-        time.sleep(0.01)  # the importer's Buffer finishes freeing before the exporter is told
-        _send_pending(item)
+        with _sending, contextlib.suppress(Exception):  # a dead worker would stop all releases
+            _tell(*item)
 
 
-threading.Thread(target=_release_worker, name="gpu_serde-release", daemon=True).start()
+def _start_release_worker() -> None:
+    threading.Thread(target=_release_worker, name="gpu_serde-release", daemon=True).start()
 
 
-def _forget(key: int, address: str, token: bytes) -> None:
+_start_release_worker()
+
+
+def _forget(key: int) -> None:
     _origin.pop(key, None)
-    if _live.pop(key, None) is not None:
-        with _send_lock:
-            _pending[(address, token)] += 1
-        _releases.put((address, token))
+    item = _live.pop(key, None)
+    if item is not None:
+        _releases.put(item)
 
 
 def _release_all_at_exit() -> None:
     """An importer that exits tells the exporters about everything it held or had released."""
-    with _send_lock:
-        items = list(_live.values()) + list(_pending.elements())
-        _live.clear()
-        _pending.clear()
-        for address, token in items:
+    got = _sending.acquire(timeout=2)  # let a release in flight finish
+    try:
+        _flush_all()
+    finally:
+        if got:
+            _sending.release()
+
+
+def _flush_all() -> None:
+    items = list(_live.values())
+    _live.clear()
+    while True:
+        try:
+            items.append(_releases.get_nowait())
+        except queue.Empty:
+            break
+    for address, token, _ in items:
+        with contextlib.suppress(Exception):
             fdshare.release(address, token, timeout=0.5)
+
+
+def _after_fork_in_child() -> None:
+    """A forked child holds none of its parent's imports: it must neither release them at exit
+    nor lose its own releases (the worker thread did not survive the fork)."""
+    global _sending, _lock
+    _live.clear()
+    _origin.clear()
+    with contextlib.suppress(queue.Empty):
+        while True:
+            _releases.get_nowait()
+    _sending, _lock = threading.Lock(), threading.RLock()
+    _start_release_worker()
+    multiprocessing.util.Finalize(None, _release_all_at_exit, exitpriority=100)
 
 
 atexit.register(_release_all_at_exit)
 multiprocessing.util.Finalize(None, _release_all_at_exit, exitpriority=100)  # mp children
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def rebuild_buffer(p: tuple) -> Buffer | wire.UnresolvedObject:
@@ -232,8 +277,8 @@ def rebuild_buffer(p: tuple) -> Buffer | wire.UnresolvedObject:
             raise
         return wire.UnresolvedObject("Buffer", wire.buf, p, exc)
     _origin[id(buf)] = p
-    _live[id(buf)] = (address, token)
-    weakref.finalize(buf, _forget, id(buf), address, token)
+    _live[id(buf)] = (address, token, mr.device_id)
+    weakref.finalize(buf, _forget, id(buf))
     return buf
 
 

@@ -74,8 +74,15 @@ _short.maxstring = _short.maxother = 60
 _short.maxlevel = 2
 
 
+def _safe_repr(value: object) -> str:
+    try:
+        return _short.repr(value)
+    except Exception:  # e.g. an int too long to print
+        return f"<{type(value).__name__}>"
+
+
 def _fail(what: str, payload: object) -> PayloadError:
-    return PayloadError(f"invalid gpu_serde payload: {what} (got {_short.repr(payload)})")
+    return PayloadError(f"invalid gpu_serde payload: {what} (got {_safe_repr(payload)})")
 
 
 def validate_device(p: object) -> bytes:
@@ -141,6 +148,7 @@ def payload_uuid(p: bytes) -> bytes:
 
 
 ADDRESS_MAX = 100
+IPC_DESCRIPTOR_BYTES = 64  # cuMemPoolExportPointer's opaque data: the driver reads all 64
 
 
 def validate_pool(p: object) -> tuple:
@@ -153,12 +161,17 @@ def validate_pool(p: object) -> tuple:
         raise _fail("a pool payload is a tuple of 6 fields", p)
     version, dev, boot, address, token, pool = p
     if type(version) is not int or version != VERSION:
-        raise _fail(f"pool payload version {version!r} is not understood (it reads {VERSION})", p)
+        raise _fail(f"pool payload version {_safe_repr(version)} is not understood", p)
     validate_device(dev)
     if type(boot) is not bytes or len(boot) != 16:
         raise _fail("the host's boot id must be 16 bytes", p)
-    if type(address) is not str or not address.startswith("@") or len(address) > ADDRESS_MAX:
-        raise _fail("the broker address must be '@name' (at most 100 characters)", p)
+    if (
+        type(address) is not str
+        or not address.startswith("@")
+        or not address.isascii()
+        or len(address) > ADDRESS_MAX
+    ):
+        raise _fail("the broker address must be '@name' (ASCII, at most 100 characters)", p)
     if type(token) is not bytes or len(token) != 16 or type(pool) is not bytes or len(pool) != 16:
         raise _fail("the token and the pool id must be 16 bytes each", p)
     return p
@@ -174,10 +187,10 @@ def validate_buffer(p: object) -> tuple:
         raise _fail("a buffer payload is a tuple of 5 fields", p)
     version, pool, reserved, size, token = p
     if type(version) is not int or version != VERSION:
-        raise _fail(f"buffer payload version {version!r} is not understood (it reads {VERSION})", p)
+        raise _fail(f"buffer payload version {_safe_repr(version)} is not understood", p)
     validate_pool(pool)
-    if type(reserved) is not bytes or not 0 < len(reserved) <= 256:
-        raise _fail("the IPC descriptor must be 1 to 256 bytes", p)
+    if type(reserved) is not bytes or len(reserved) != IPC_DESCRIPTOR_BYTES:
+        raise _fail(f"the IPC descriptor must be {IPC_DESCRIPTOR_BYTES} bytes", p)
     if type(size) is not int or not 0 < size < 1 << 62:
         raise _fail("the size must be a positive int", p)
     if type(token) is not bytes or len(token) != 16:

@@ -114,14 +114,17 @@ class UnresolvedObject:
 
 
 def _other_version(kind: str, rebuild: Any, payload: object) -> UnresolvedObject | None:
-    """A well-formed payload of another gpu_serde version: a placeholder, never a dead worker."""
-    if (type(payload) is bytes and payload) or (
-        type(payload) is tuple and payload and type(payload[0]) is int
-    ):
-        version = payload[0]
+    """A well-formed payload of another gpu_serde version: a placeholder, never a dead worker.
+
+    Device payloads are ``bytes`` whose first byte is the version; memory payloads are tuples
+    whose first field is. Anything else is left to the validator (a ``PayloadError``).
+    """
+    if kind == "Device":
+        version = payload[0] if type(payload) is bytes and payload else None
     else:
-        return None
-    if version == VERSION:
+        first = payload[0] if type(payload) is tuple and payload else None
+        version = first if type(first) is int and 0 <= first < 256 else None
+    if version is None or version == VERSION:
         return None
     error = PayloadError(
         f"this {kind} was sent by a gpu_serde that writes payload version {version}; this one "
@@ -130,6 +133,26 @@ def _other_version(kind: str, rebuild: Any, payload: object) -> UnresolvedObject
     if strict:
         raise error
     return UnresolvedObject(kind, rebuild, payload, error)
+
+
+def _guarded(kind: str, rebuild: Any, payload: tuple, body: Any) -> Any:
+    """Run a memory reconstructor body; anything unexpected becomes a placeholder, never an
+    exception in the unpickler (which would kill a Dask worker)."""
+    from gpu_serde.errors import HandoffError
+
+    try:
+        return body(payload)
+    except Exception as exc:
+        if strict:
+            raise
+        error = (
+            exc
+            if isinstance(exc, HandoffError | DeviceNotVisibleError)
+            else HandoffError(
+                f"rebuilding a {kind} failed unexpectedly: {type(exc).__name__}: {exc}"
+            )
+        )
+        return UnresolvedObject(kind, rebuild, payload, error)
 
 
 def dev(payload: bytes) -> Device | UnresolvedDevice | UnresolvedObject:
@@ -176,7 +199,7 @@ def pool(payload: tuple) -> Any:
     if other is not None:
         return other
     validate_pool(payload)
-    return memory.rebuild_pool(payload)
+    return _guarded("DeviceMemoryResource", pool, payload, memory.rebuild_pool)
 
 
 def buf(payload: tuple) -> Any:
@@ -193,4 +216,4 @@ def buf(payload: tuple) -> Any:
     if other is not None:
         return other
     validate_buffer(payload)
-    return memory.rebuild_buffer(payload)
+    return _guarded("Buffer", buf, payload, memory.rebuild_buffer)

@@ -159,6 +159,9 @@ def test_revoke_and_close_release_the_brokers_descriptors():
         got = fetch(b.address, tokens[1])
         os.close(got)
         b.close()
+        deadline = time.monotonic() + 2  # the request's thread closes its connection just after
+        while open_fds() != before - 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert open_fds() == before - 1  # the listening socket is closed too
         with pytest.raises(ExporterGoneError):
             fetch(b.address, tokens[1])

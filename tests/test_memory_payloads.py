@@ -131,3 +131,67 @@ def test_fuzzed_memory_payloads_raise_only_payload_error(fields, keep):
         except PayloadError:
             continue
         assert isinstance(got, UnresolvedObject)  # only reachable with a well-formed payload
+
+
+@pytest.mark.parametrize(
+    "hostile",
+    [
+        (10**5000,),
+        (1, b"\x01" * 30, BOOT_ID, "@\ud800", bytes(16), bytes(16)),
+        (1, b"\x01" * 30, 10**5000, NOBODY, bytes(16), bytes(16)),
+        b"\x02" + bytes(40),
+        (7, "a newer pool"),
+    ],
+    ids=["huge-int", "non-ascii-address", "huge-boot", "bytes-for-a-pool", "newer-version"],
+)
+def test_hostile_but_plausible_payloads_give_payload_errors_or_placeholders(hostile):
+    for rebuild in (pool, buf):
+        try:
+            got = rebuild(hostile)
+        except PayloadError:
+            continue
+        assert isinstance(got, UnresolvedObject)
+        with pytest.raises(PayloadError, match="version 7"):
+            gpu_serde.resolve(got)
+
+
+def test_a_broker_that_hangs_up_mid_request_is_an_exporter_gone_placeholder(visible_dev):
+    import socket
+    import threading
+
+    rude = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    rude.bind("\0gpu_serde-test-rude")
+    rude.listen(8)
+
+    def hang_up() -> None:
+        for _ in range(2):
+            conn, _ = rude.accept()
+            conn.close()
+
+    threading.Thread(target=hang_up, daemon=True).start()
+    try:
+        p = (1, visible_dev, BOOT_ID, "@gpu_serde-test-rude", bytes(16), bytes(16))
+        got = pool(p)
+        with pytest.raises(ExporterGoneError):
+            gpu_serde.resolve(got)
+    finally:
+        rude.close()
+
+
+def test_an_exiting_importer_releases_what_it_still_holds():
+    from gpu_serde import memory
+    from gpu_serde.fdshare import Broker, acquire
+
+    b = Broker()
+    let_go = []
+    try:
+        token = b.hold("a buffer", let_go.append, grace=0)
+        acquire(b.address, token)  # as rebuild_buffer does
+        memory._live[12345] = (b.address, token, 0)
+        memory._release_all_at_exit()
+        deadline = time.monotonic() + 3
+        while not let_go and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert let_go == ["a buffer"] and 12345 not in memory._live
+    finally:
+        b.close()
