@@ -33,7 +33,7 @@ from gpu_serde.errors import (
     NotIPCEnabledError,
     OtherHostError,
 )
-from gpu_serde.payload import decode_device, validate_buffer, validate_pool
+from gpu_serde.payload import decode_device
 
 #: Seconds the exporter still keeps a buffer after its last importer released it, so that a hop
 #: (a Dask scheduler, a Ray task passing it on) that imported and dropped it does not free it
@@ -280,8 +280,3 @@ def rebuild_buffer(p: tuple) -> Buffer | wire.UnresolvedObject:
     _live[id(buf)] = (address, token, mr.device_id)
     weakref.finalize(buf, _forget, id(buf))
     return buf
-
-
-def validate(kind: str, p: object) -> tuple:
-    """Validate a pool (``kind="pool"``) or buffer payload; raise PayloadError if malformed."""
-    return validate_pool(p) if kind == "pool" else validate_buffer(p)

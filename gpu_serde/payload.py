@@ -142,11 +142,6 @@ def decode_device(p: object) -> DevicePayload:
     )
 
 
-def payload_uuid(p: bytes) -> bytes:
-    """The raw UUID of validated device wire bytes."""
-    return p[1:17]
-
-
 ADDRESS_MAX = 100
 IPC_DESCRIPTOR_BYTES = 64  # cuMemPoolExportPointer's opaque data: the driver reads all 64
 

@@ -135,11 +135,16 @@ def _other_version(kind: str, rebuild: Any, payload: object) -> UnresolvedObject
     return UnresolvedObject(kind, rebuild, payload, error)
 
 
-def _guarded(kind: str, rebuild: Any, payload: tuple, body: Any) -> Any:
-    """Run a memory reconstructor body; anything unexpected becomes a placeholder, never an
-    exception in the unpickler (which would kill a Dask worker)."""
+def _rebuild_memory(kind: str, rebuild: Any, payload: object, validate: Any, body: Any) -> Any:
+    """Shared path of the memory reconstructors: another version gives a placeholder, a malformed
+    payload a ``PayloadError``; anything unexpected while rebuilding becomes a placeholder, never
+    an exception in the unpickler (which would kill a Dask worker)."""
     from gpu_serde.errors import HandoffError
 
+    other = _other_version(kind, rebuild, payload)
+    if other is not None:
+        return other
+    validate(payload)
     try:
         return body(payload)
     except Exception as exc:
@@ -187,7 +192,7 @@ def dev(payload: bytes) -> Device | UnresolvedDevice | UnresolvedObject:
 
 def pool(payload: tuple) -> Any:
     """Reconstructor of a memory-pool payload: the pool imported in this process (once), the
-    original pool back in its exporter, or an ``UnresolvedMemory`` placeholder.
+    original pool back in its exporter, or an :class:`UnresolvedObject` placeholder.
 
     Raises:
         PayloadError: the payload is malformed.
@@ -195,16 +200,14 @@ def pool(payload: tuple) -> Any:
     from gpu_serde import memory
     from gpu_serde.payload import validate_pool
 
-    other = _other_version("DeviceMemoryResource", pool, payload)
-    if other is not None:
-        return other
-    validate_pool(payload)
-    return _guarded("DeviceMemoryResource", pool, payload, memory.rebuild_pool)
+    return _rebuild_memory(
+        "DeviceMemoryResource", pool, payload, validate_pool, memory.rebuild_pool
+    )
 
 
 def buf(payload: tuple) -> Any:
     """Reconstructor of a buffer payload: the exporter's buffer mapped here without a copy, or an
-    ``UnresolvedMemory`` placeholder.
+    :class:`UnresolvedObject` placeholder.
 
     Raises:
         PayloadError: the payload is malformed.
@@ -212,8 +215,4 @@ def buf(payload: tuple) -> Any:
     from gpu_serde import memory
     from gpu_serde.payload import validate_buffer
 
-    other = _other_version("Buffer", buf, payload)
-    if other is not None:
-        return other
-    validate_buffer(payload)
-    return _guarded("Buffer", buf, payload, memory.rebuild_buffer)
+    return _rebuild_memory("Buffer", buf, payload, validate_buffer, memory.rebuild_buffer)
