@@ -222,6 +222,12 @@ def broker() -> Broker:
     return _broker
 
 
+def is_own(address: str) -> bool:
+    """True when ``address`` is this process's broker (a started one)."""
+    b = _broker
+    return b is not None and b.address == address
+
+
 def _request(address: str, op: bytes, token: bytes, timeout: float) -> tuple[bytes, list[int]]:
     if (
         not address.startswith("@")

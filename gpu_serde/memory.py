@@ -1,8 +1,10 @@
-"""GPU memory across processes: IPC-enabled ``DeviceMemoryResource`` pools and their buffers.
+"""GPU memory across processes: IPC-enabled ``DeviceMemoryResource`` and ``PinnedMemoryResource``
+pools and their buffers.
 
-A pool travels as its device's UUID, the exporting host's kernel ``boot_id`` and a token for the
-exporter's descriptor broker (:mod:`gpu_serde.fdshare`); the receiver checks the host, resolves the
-device, fetches the pool's descriptor and imports the pool once per process. A buffer travels as
+A pool travels as its device's UUID (none for a pinned host pool), the exporting host's kernel
+``boot_id`` and a token for the exporter's descriptor broker (:mod:`gpu_serde.fdshare`); the
+receiver checks the host, resolves the device, fetches the pool's descriptor and imports the pool
+once per process. A buffer travels as
 its pool plus cuda.core's 64-byte IPC descriptor and a token under which the exporter keeps the
 buffer alive until its importers have released it (or the exporter exits).
 
@@ -23,7 +25,7 @@ import time
 import uuid as _uuid
 import weakref
 
-from cuda.core import Buffer, Device, DeviceMemoryResource
+from cuda.core import Buffer, Device, DeviceMemoryResource, PinnedMemoryResource
 
 from gpu_serde import fdshare, wire
 from gpu_serde import inventory as _inventory
@@ -42,10 +44,19 @@ RELEASE_GRACE_S = float(os.environ.get("GPU_SERDE_RELEASE_GRACE_S", "5"))
 
 _lock = threading.RLock()
 _exported: dict[bytes, tuple] = {}  # pool uuid -> payload, for pools this process exports
-_exported_pools: dict[bytes, DeviceMemoryResource] = {}
-_imported: dict[bytes, DeviceMemoryResource] = {}  # pool uuid -> the pool imported here
-_origin: dict[int, tuple] = {}  # id(imported pool or buffer) -> the payload it came with
+_exported_pools: dict[bytes, Pool] = {}
+_imported: dict[bytes, Pool] = {}  # pool uuid -> the pool imported here
+_origin: dict[int, tuple] = {}  # id(imported pool) -> its payload; id(imported buffer) -> reduction
 _sent: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # buffer -> its payload (one hold)
+
+
+Pool = DeviceMemoryResource | PinnedMemoryResource
+_FIX = {
+    DeviceMemoryResource: "DeviceMemoryResource(device, DeviceMemoryResourceOptions("
+    "ipc_enabled=True, max_size=...))",
+    PinnedMemoryResource: "PinnedMemoryResource(PinnedMemoryResourceOptions(ipc_enabled=True, "
+    "max_size=...))",
+}
 
 
 def _boot_id() -> bytes:
@@ -56,15 +67,20 @@ def _boot_id() -> bytes:
 BOOT_ID = _boot_id()
 
 
-def _pool_payload(mr: DeviceMemoryResource) -> tuple:
+def _pool_payload(mr: Pool) -> tuple:
     origin = _origin.get(id(mr))
     if origin is not None:
         return origin  # an imported pool travels on as it came
-    if not isinstance(mr, DeviceMemoryResource) or not mr.is_ipc_enabled:
+    kind = type(mr)
+    if kind not in _FIX or not mr.is_ipc_enabled:
         raise NotIPCEnabledError(
-            f"{mr!r} cannot be sent to another process: its pool is not IPC-enabled. Create it "
-            "with DeviceMemoryResource(device, DeviceMemoryResourceOptions(ipc_enabled=True, "
-            "max_size=...))"
+            f"{mr!r} cannot be sent to another process: "
+            + (
+                f"its pool is not IPC-enabled. Create it with {_FIX[kind]}"
+                if kind in _FIX
+                else "only IPC-enabled DeviceMemoryResource and PinnedMemoryResource pools (and "
+                "VirtualMemoryResource, by its settings) can"
+            )
         )
     pool = mr.uuid.bytes
     with _lock:
@@ -72,16 +88,17 @@ def _pool_payload(mr: DeviceMemoryResource) -> tuple:
         if p is None:
             from gpu_serde.reducers import device_payload
 
-            dev_payload = device_payload(Device(mr.device_id))
-            handle = mr.allocation_handle
-            token = fdshare.broker().offer(int(handle))
+            is_device = kind is DeviceMemoryResource
+            dev_payload = device_payload(Device(mr.device_id)) if is_device else None
+            token = fdshare.broker().offer(int(mr.allocation_handle))
             p = (1, dev_payload, BOOT_ID, fdshare.broker().address, token, pool)
             _exported[pool], _exported_pools[pool] = p, mr
     return p
 
 
-def reduce_pool(mr: DeviceMemoryResource) -> tuple:
-    """Reducer for ``DeviceMemoryResource``: ``(gpu_serde.wire.pool, (payload,))``.
+def reduce_pool(mr: Pool) -> tuple:
+    """Reducer for ``DeviceMemoryResource`` and ``PinnedMemoryResource``:
+    ``(gpu_serde.wire.pool, (payload,))``.
 
     Raises:
         NotIPCEnabledError: the pool is not IPC-enabled.
@@ -89,13 +106,38 @@ def reduce_pool(mr: DeviceMemoryResource) -> tuple:
     return (wire.pool, (_pool_payload(mr),))
 
 
-def _import_pool(p: tuple) -> DeviceMemoryResource:
+def _import_pool(p: tuple) -> Pool:
     """Import (once per process) the pool a validated payload names, or raise why not."""
     with _lock:  # one import per pool, also when threads race
         return _import_pool_locked(p)
 
 
-def _import_pool_locked(p: tuple) -> DeviceMemoryResource:
+def _check_host(boot: bytes, what: str) -> None:
+    if boot != BOOT_ID:
+        raise OtherHostError(
+            f"{what} reached host {_inventory.inventory().host!r}, another host: GPU memory "
+            "crosses processes only on the host that exported it. Copy it to host memory first, "
+            "or run this work on that host."
+        )
+
+
+def any_device() -> Device:
+    """This thread's current Device, or the first visible one, for work that needs a context but
+    no particular GPU (pinned host memory).
+
+    Raises:
+        HandoffError: this process sees no GPU.
+    """
+    inv = _inventory.inventory()
+    if not inv.devices:
+        raise HandoffError(
+            "pinned host memory needs a CUDA device in the receiving process to map it, and this "
+            f"process sees none: {inv.describe()}"
+        )
+    return Device()
+
+
+def _import_pool_locked(p: tuple) -> Pool:
     _, dev_payload, boot, address, token, pool = p
     home = _exported_pools.get(pool)
     if home is not None:
@@ -103,20 +145,24 @@ def _import_pool_locked(p: tuple) -> DeviceMemoryResource:
     mr = _imported.get(pool)
     if mr is not None:
         return mr
-    d = decode_device(dev_payload)
-    if boot != BOOT_ID:
-        raise OtherHostError(
-            f"GPU memory from host {d.host!r} (pid {d.pid}, GPU {d.canonical_uuid}) reached "
-            f"host {_inventory.inventory().host!r}: GPU memory crosses processes only on the host "
-            "that exported it. Copy it to host memory first, or run this work on that host."
-        )
-    inv = _inventory.inventory()
-    ordinal = inv.by_uuid.get(d.uuid)
-    if ordinal is None:
-        raise wire.not_visible_error(d, inv)
+    if dev_payload is None:  # a pinned host pool
+        _check_host(boot, "Pinned host memory")
+        dev = any_device()
+    else:
+        d = decode_device(dev_payload)
+        _check_host(boot, f"GPU memory from host {d.host!r} (pid {d.pid}, GPU {d.canonical_uuid})")
+        inv = _inventory.inventory()
+        ordinal = inv.by_uuid.get(d.uuid)
+        if ordinal is None:
+            raise wire.not_visible_error(d, inv)
+        dev = Device(ordinal)
     fd = fdshare.fetch(address, token)
     try:
-        mr = DeviceMemoryResource.from_allocation_handle(Device(ordinal), fd)
+        dev.set_current()
+        if dev_payload is None:
+            mr = PinnedMemoryResource.from_allocation_handle(fd)
+        else:
+            mr = DeviceMemoryResource.from_allocation_handle(dev, fd)
     except Exception as exc:
         raise HandoffError(f"importing the memory pool failed: {exc}") from exc
     finally:
@@ -126,19 +172,21 @@ def _import_pool_locked(p: tuple) -> DeviceMemoryResource:
     return mr
 
 
-def rebuild_pool(p: tuple) -> DeviceMemoryResource | wire.UnresolvedObject:
+def rebuild_pool(p: tuple) -> Pool | wire.UnresolvedObject:
     """Reconstructor body of :func:`gpu_serde.wire.pool` (payload already validated)."""
     try:
         return _import_pool(p)
     except (HandoffError, DeviceNotVisibleError) as exc:
         if wire.strict:
             raise
-        return wire.UnresolvedObject("DeviceMemoryResource", wire.pool, p, exc)
+        kind = "DeviceMemoryResource" if p[1] is not None else "PinnedMemoryResource"
+        return wire.UnresolvedObject(kind, wire.pool, p, exc)
 
 
 def _let_go(buf: Buffer) -> None:
     """Runs in the broker's thread when the last importer released ``buf``."""
-    Device(buf.device_id).set_current()  # freeing needs the device's context in this thread
+    # freeing needs a context in this thread: the buffer's device's, or any for pinned memory
+    (Device(buf.device_id) if buf.device_id >= 0 else Device()).set_current()
 
 
 def reduce_buffer(buf: Buffer) -> tuple:
@@ -146,16 +194,23 @@ def reduce_buffer(buf: Buffer) -> tuple:
     importers.
 
     Raises:
-        NotIPCEnabledError: the buffer does not come from an IPC-enabled DeviceMemoryResource.
+        NotIPCEnabledError: the buffer does not come from an IPC-enabled pool
+            (``DeviceMemoryResource``, ``PinnedMemoryResource``) or a ``VirtualMemoryResource``
+            that exports POSIX descriptors.
     """
     origin = _origin.get(id(buf))
     if origin is not None:
-        return (wire.buf, (origin,))
+        return origin
     mr = buf.memory_resource
-    if not isinstance(mr, DeviceMemoryResource):
+    if type(mr).__name__ == "VirtualMemoryResource":
+        from gpu_serde import vmm
+
+        return vmm.reduce_buffer(buf, mr)
+    if type(mr) not in _FIX:
         raise NotIPCEnabledError(
             f"{buf!r} cannot be sent to another process without a copy: only buffers allocated "
-            "from an IPC-enabled DeviceMemoryResource can"
+            "from an IPC-enabled DeviceMemoryResource or PinnedMemoryResource (or a "
+            "VirtualMemoryResource) can"
         )
     pool = _pool_payload(mr)
     b = fdshare.broker()
@@ -265,7 +320,7 @@ def rebuild_buffer(p: tuple) -> Buffer | wire.UnresolvedObject:
         try:
             from cuda.core._memory._ipc import IPCBufferDescriptor  # not public in cuda.core 1.2
 
-            dev = Device(mr.device_id)
+            dev = Device(mr.device_id) if mr.device_id >= 0 else any_device()
             dev.set_current()
             desc = IPCBufferDescriptor._init(reserved, size)
             buf = Buffer.from_ipc_descriptor(mr, desc, stream=dev.default_stream)
@@ -276,7 +331,13 @@ def rebuild_buffer(p: tuple) -> Buffer | wire.UnresolvedObject:
         if wire.strict:
             raise
         return wire.UnresolvedObject("Buffer", wire.buf, p, exc)
-    _origin[id(buf)] = p
-    _live[id(buf)] = (address, token, mr.device_id)
-    weakref.finalize(buf, _forget, id(buf))
+    track_import(buf, (wire.buf, (p,)), address, token, dev.device_id)
     return buf
+
+
+def track_import(buf: Buffer, reduced: tuple, address: str, token: bytes, device: int) -> None:
+    """Remember an imported buffer: it is forwarded as it came (``reduced``), and its exporter is
+    told (``token``) once it is collected or this process exits."""
+    _origin[id(buf)] = reduced
+    _live[id(buf)] = (address, token, device)
+    weakref.finalize(buf, _forget, id(buf))

@@ -147,7 +147,8 @@ IPC_DESCRIPTOR_BYTES = 64  # cuMemPoolExportPointer's opaque data: the driver re
 
 
 def validate_pool(p: object) -> tuple:
-    """Check a memory-pool payload ``(1, device payload, boot_id, broker address, token, pool)``.
+    """Check a memory-pool payload ``(1, device payload, boot_id, broker address, token, pool)``;
+    the device payload is None for a pinned host pool.
 
     Raises:
         PayloadError: anything else.
@@ -157,7 +158,20 @@ def validate_pool(p: object) -> tuple:
     version, dev, boot, address, token, pool = p
     if type(version) is not int or version != VERSION:
         raise _fail(f"pool payload version {_safe_repr(version)} is not understood", p)
-    validate_device(dev)
+    if dev is not None:
+        validate_device(dev)
+    validate_exporter(boot, address, p)
+    if type(token) is not bytes or len(token) != 16 or type(pool) is not bytes or len(pool) != 16:
+        raise _fail("the token and the pool id must be 16 bytes each", p)
+    return p
+
+
+def validate_exporter(boot: object, address: object, p: object) -> None:
+    """Check the exporter's host (``boot_id``) and broker address fields of payload ``p``.
+
+    Raises:
+        PayloadError: either is malformed.
+    """
     if type(boot) is not bytes or len(boot) != 16:
         raise _fail("the host's boot id must be 16 bytes", p)
     if (
@@ -167,9 +181,6 @@ def validate_pool(p: object) -> tuple:
         or len(address) > ADDRESS_MAX
     ):
         raise _fail("the broker address must be '@name' (ASCII, at most 100 characters)", p)
-    if type(token) is not bytes or len(token) != 16 or type(pool) is not bytes or len(pool) != 16:
-        raise _fail("the token and the pool id must be 16 bytes each", p)
-    return p
 
 
 def validate_buffer(p: object) -> tuple:
@@ -190,4 +201,82 @@ def validate_buffer(p: object) -> tuple:
         raise _fail("the size must be a positive int", p)
     if type(token) is not bytes or len(token) != 16:
         raise _fail("the token must be 16 bytes", p)
+    return p
+
+
+MAX_PEERS = 64
+_OPTION_TEXT = 32  # longest enum value accepted in VMM options
+
+
+def _word(value: object) -> bool:
+    return value is None or (
+        type(value) is str and value.isascii() and 0 < len(value) <= _OPTION_TEXT
+    )
+
+
+def _address_int(value: object, low: int) -> bool:
+    return value is None or (type(value) is int and low <= value < 1 << 64)
+
+
+def validate_options(p: object) -> tuple:
+    """Check a ``VirtualMemoryResourceOptions`` payload ``(1, allocation_type, location_type,
+    handle_type, granularity, gpu_direct_rdma, addr_hint, addr_align, peers, self_access,
+    peer_access)``: enum fields as short strings or None, peers a tuple of device payloads.
+
+    Raises:
+        PayloadError: anything else.
+    """
+    if type(p) is not tuple or len(p) != 11:
+        raise _fail("a VirtualMemoryResourceOptions payload is a tuple of 11 fields", p)
+    version, *words1, rdma, hint, align, peers, own, peer = p
+    if type(version) is not int or version != VERSION:
+        raise _fail(f"options payload version {_safe_repr(version)} is not understood", p)
+    if not all(_word(w) for w in (*words1, own, peer)):
+        raise _fail(f"option values must be strings of at most {_OPTION_TEXT} characters", p)
+    if type(rdma) is not bool or not _address_int(hint, 0) or not _address_int(align, 1):
+        raise _fail("gpu_direct_rdma must be a bool, addr_hint and addr_align ints or None", p)
+    if type(peers) is not tuple or len(peers) > MAX_PEERS:
+        raise _fail(f"peers must be a tuple of at most {MAX_PEERS} device payloads", p)
+    for d in peers:
+        validate_device(d)
+    return p
+
+
+def validate_vmm(p: object) -> tuple:
+    """Check a ``VirtualMemoryResource`` payload ``(1, device payload or None, options payload)``.
+
+    Raises:
+        PayloadError: anything else.
+    """
+    if type(p) is not tuple or len(p) != 3:
+        raise _fail("a VirtualMemoryResource payload is a tuple of 3 fields", p)
+    version, dev, options = p
+    if type(version) is not int or version != VERSION:
+        raise _fail(f"VirtualMemoryResource payload version {_safe_repr(version)} is unknown", p)
+    if dev is not None:
+        validate_device(dev)
+    validate_options(options)
+    return p
+
+
+def validate_vbuf(p: object) -> tuple:
+    """Check a VMM buffer payload ``(1, VirtualMemoryResource payload, boot_id, broker address,
+    hold token, size, descriptor token)``.
+
+    Raises:
+        PayloadError: anything else.
+    """
+    if type(p) is not tuple or len(p) != 7:
+        raise _fail("a VMM buffer payload is a tuple of 7 fields", p)
+    version, res, boot, address, hold, size, fd_token = p
+    if type(version) is not int or version != VERSION:
+        raise _fail(f"VMM buffer payload version {_safe_repr(version)} is not understood", p)
+    validate_vmm(res)
+    if res[1] is None:
+        raise _fail("a VMM buffer payload names its device", p)
+    validate_exporter(boot, address, p)
+    if type(size) is not int or not 0 < size < 1 << 62:
+        raise _fail("the size must be a positive int", p)
+    if any(type(t) is not bytes or len(t) != 16 for t in (hold, fd_token)):
+        raise _fail("the tokens must be 16 bytes each", p)
     return p

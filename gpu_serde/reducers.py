@@ -53,24 +53,35 @@ def reduce_device(dev: Device) -> tuple:
 
 
 def _reducers() -> dict[type, Any]:
-    from cuda.core import Buffer, DeviceMemoryResource
+    from cuda.core import (
+        Buffer,
+        DeviceMemoryResource,
+        PinnedMemoryResource,
+        VirtualMemoryResource,
+        VirtualMemoryResourceOptions,
+    )
 
-    from gpu_serde import memory
+    from gpu_serde import memory, vmm
 
     return {
         Device: reduce_device,
         DeviceMemoryResource: memory.reduce_pool,
+        PinnedMemoryResource: memory.reduce_pool,
         Buffer: memory.reduce_buffer,
+        VirtualMemoryResource: vmm.reduce_resource,
+        VirtualMemoryResourceOptions: vmm.reduce_options,
     }
 
 
 def install(strict: bool = False) -> None:
     """Make this process pickle ``cuda.core`` objects by GPU UUID.
 
-    Registers reducers for ``Device``, ``DeviceMemoryResource`` (IPC-enabled pools) and
-    ``Buffer`` (from such pools) with :mod:`copyreg` (stdlib pickle, cloudpickle, Ray, Dask) and
-    with :mod:`multiprocessing`'s ``ForkingPickler`` (replacing cuda.core's own ordinal-based
-    ones while installed). Idempotent: calling it again only sets ``strict``.
+    Registers reducers for ``Device``, ``DeviceMemoryResource`` and ``PinnedMemoryResource``
+    (IPC-enabled pools), ``VirtualMemoryResource`` and ``VirtualMemoryResourceOptions`` (device
+    and peers by UUID) and ``Buffer`` (from those resources) with :mod:`copyreg` (stdlib
+    pickle, cloudpickle, Ray, Dask) and with :mod:`multiprocessing`'s ``ForkingPickler``
+    (replacing cuda.core's own ordinal-based ones while installed). Idempotent: calling it
+    again only sets ``strict``.
 
     Args:
         strict: when True, unpickling a Device whose GPU is not visible here raises

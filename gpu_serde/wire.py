@@ -22,11 +22,12 @@ strict = False
 auto_install = True
 
 
-def not_visible_error(p: DevicePayload, inv: Inventory) -> DeviceNotVisibleError:
-    """Build the :class:`DeviceNotVisibleError` for a device payload that ``inv`` cannot resolve."""
+def not_visible_error(p: DevicePayload, inv: Inventory, what: str = "GPU") -> DeviceNotVisibleError:
+    """Build the :class:`DeviceNotVisibleError` for a device payload that ``inv`` cannot resolve
+    (``what`` names its role, e.g. a peer)."""
     uuid = p.canonical_uuid
     msg = (
-        f"GPU {uuid} ({p.name or 'name unknown'}) is not visible in this process.\n"
+        f"{what} {uuid} ({p.name or 'name unknown'}) is not visible in this process.\n"
         f"It was sent from host {p.host!r}, pid {p.pid}, where it was CUDA device {p.ordinal}.\n"
         f"Here: {_inventory.role + ', ' if _inventory.role else ''}host {inv.host!r}, "
         f"pid {os.getpid()}, {inv.describe()}\n"
@@ -152,7 +153,7 @@ def _rebuild_memory(kind: str, rebuild: Any, payload: object, validate: Any, bod
             raise
         error = (
             exc
-            if isinstance(exc, HandoffError | DeviceNotVisibleError)
+            if isinstance(exc, HandoffError | DeviceNotVisibleError | PayloadError)
             else HandoffError(
                 f"rebuilding a {kind} failed unexpectedly: {type(exc).__name__}: {exc}"
             )
@@ -216,3 +217,46 @@ def buf(payload: tuple) -> Any:
     from gpu_serde.payload import validate_buffer
 
     return _rebuild_memory("Buffer", buf, payload, validate_buffer, memory.rebuild_buffer)
+
+
+def vmo(payload: tuple) -> Any:
+    """Reconstructor of ``VirtualMemoryResourceOptions``: the options with their peers on this
+    process's ordinals, or an :class:`UnresolvedObject` placeholder (a peer not visible here).
+
+    Raises:
+        PayloadError: the payload is malformed.
+    """
+    from gpu_serde import vmm
+    from gpu_serde.payload import validate_options
+
+    return _rebuild_memory(
+        "VirtualMemoryResourceOptions", vmo, payload, validate_options, vmm.rebuild_options
+    )
+
+
+def vmm(payload: tuple) -> Any:
+    """Reconstructor of a ``VirtualMemoryResource`` on this process's ordinal of the same GPU (peers
+    too), or an :class:`UnresolvedObject` placeholder.
+
+    Raises:
+        PayloadError: the payload is malformed.
+    """
+    from gpu_serde import vmm as _vmm
+    from gpu_serde.payload import validate_vmm
+
+    return _rebuild_memory(
+        "VirtualMemoryResource", vmm, payload, validate_vmm, _vmm.rebuild_resource
+    )
+
+
+def vbuf(payload: tuple) -> Any:
+    """Reconstructor of a ``VirtualMemoryResource`` buffer: the exporter's allocation mapped here
+    without a copy, or an :class:`UnresolvedObject` placeholder.
+
+    Raises:
+        PayloadError: the payload is malformed.
+    """
+    from gpu_serde import vmm
+    from gpu_serde.payload import validate_vbuf
+
+    return _rebuild_memory("Buffer", vbuf, payload, validate_vbuf, vmm.rebuild_buffer)

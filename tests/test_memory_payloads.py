@@ -63,6 +63,38 @@ def test_memory_of_a_gpu_not_visible_here_names_the_gpu(simulated_gpus):
         gpu_serde.resolve(got)
 
 
+def test_pinned_memory_from_another_host_is_a_placeholder(simulated_gpus):
+    got = pool(pool_payload(None, boot=bytes(16)))
+    with pytest.raises(OtherHostError, match="Pinned host memory reached host"):
+        gpu_serde.resolve(got)
+    assert "PinnedMemoryResource" in repr(got)
+
+
+def test_pinned_memory_of_a_gone_exporter_is_reported_within_a_second(simulated_gpus):
+    started = time.monotonic()
+    got = pickle.loads(carrier(buf, buffer_payload(pool_payload(None))))
+    assert time.monotonic() - started < 1.0
+    with pytest.raises(ExporterGoneError):
+        gpu_serde.resolve(got)
+
+
+def test_pinned_memory_in_a_process_without_gpus_says_it_needs_one():
+    from helpers import env_without_driver, run_child
+
+    code = """
+from gpu_serde.wire import pool
+from gpu_serde.memory import BOOT_ID
+got = pool((1, None, BOOT_ID, "@nobody", bytes(16), bytes(16)))
+try:
+    gpu_serde.resolve(got)
+except gpu_serde.HandoffError as exc:
+    report(kind=type(exc).__name__, message=str(exc))
+"""
+    got = run_child(code, env_without_driver())
+    assert got["kind"] == "HandoffError"
+    assert "needs a CUDA device in the receiving process" in got["message"]
+
+
 def test_a_gone_exporter_is_reported_within_a_second(visible_dev):
     started = time.monotonic()
     got = pickle.loads(carrier(buf, buffer_payload(pool_payload(visible_dev))))
@@ -87,7 +119,7 @@ def test_strict_mode_raises_at_unpickling(visible_dev):
         ([], "tuple of 6"),
         ((2, b"", b"", "", b"", b""), "version 2"),
         ((1, b"\x01junk", BOOT_ID, NOBODY, bytes(16), bytes(16)), "truncated"),
-        ((1, None, BOOT_ID, NOBODY, bytes(16), bytes(16)), "expected bytes"),
+        ((1, 42, BOOT_ID, NOBODY, bytes(16), bytes(16)), "expected bytes"),
         ("boot", "boot id"),
         ("address", "broker address"),
         ("token", "16 bytes each"),

@@ -225,6 +225,7 @@ CUresult cuDeviceGetAttribute(int *value, int attrib, CUdevice dev) {
     case 16: *value = 132; break;    /* multiprocessor count */
     case 1: *value = 1024; break;    /* max threads per block */
     case 10: *value = 32; break;     /* warp size */
+    case 102: *value = 1; break;     /* virtual memory management supported (no allocations) */
     case 33: case 34: case 50: {     /* PCI bus / device / domain id */
         unsigned dom = 0, bus = 0, devn = 0;
         const char *pci = all_gpus[visible[dev]].pci;
