@@ -61,6 +61,7 @@ def describe_resource(mr) -> dict:
     import gpu_serde
 
     mr = gpu_serde.resolve(mr)
+    mr.device.set_current()  # as for any cuda.core resource, before allocating
     buf = mr.allocate(4 * MiB)
     buf.close()
     return {
