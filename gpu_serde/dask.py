@@ -16,7 +16,7 @@ import logging
 import os
 from typing import Any
 
-from cuda.core import Buffer, Device, DeviceMemoryResource
+from cuda.core import Buffer, Device, DeviceMemoryResource, PinnedMemoryResource
 from dask.tokenize import normalize_token
 from distributed.diagnostics.plugin import WorkerPlugin
 
@@ -43,9 +43,10 @@ def _tokenize_buffer(buf: Buffer) -> tuple:
     return ("cuda.core.Buffer", int(buf.handle), buf.size, os.getpid())
 
 
-@normalize_token.register(DeviceMemoryResource)
-def _tokenize_pool(mr: DeviceMemoryResource) -> tuple:
-    return ("cuda.core.DeviceMemoryResource", str(mr.uuid), id(mr), os.getpid())
+@normalize_token.register((DeviceMemoryResource, PinnedMemoryResource))
+def _tokenize_pool(mr: DeviceMemoryResource | PinnedMemoryResource) -> tuple:
+    """Pools hash by identity: hashing never exports them."""
+    return (type(mr).__name__, str(mr.uuid), id(mr), os.getpid())
 
 
 def _setup_worker(worker: Any) -> None:
