@@ -1,8 +1,11 @@
 """``gpu-serde demo``: a local cluster whose workers number the GPUs differently, shown working.
 
 Each worker receives the same Device and prints the local ordinal it resolved and the UUID: the
-UUID is the same everywhere. Then a worker that cannot see the GPU shows the error it raises.
-Without a real GPU the demo runs on simulated GPUs (:mod:`gpu_serde.testing`) and says so.
+UUID is the same everywhere. Then one worker fills a 64 MiB buffer from an IPC-enabled pool and
+every other GPU worker maps it without a copy and reads the pattern back, at its own ordinal.
+Last, a worker that cannot see the GPU shows the error it raises. Without a real GPU the demo runs
+on simulated GPUs (:mod:`gpu_serde.testing`), says so, and skips the buffer step (simulated GPUs
+have no memory).
 """
 
 from __future__ import annotations
@@ -11,9 +14,17 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from gpu_serde import testing
+
+Row = tuple[str, tuple]  # worker name, what _report returned
+Hop = dict[str, Any]  # one buffer hand-off, as _receive returned it plus "from"/"to"
+
+HANDOFF_BYTES = 64 << 20  # the buffer handed from worker to worker
+PEEK_BYTES = 4 << 10  # how much of each end of it a receiver reads back
+EXPORTER = "worker-1"  # the worker that allocates the buffer (the layout always has it)
 
 
 def _say(text: str) -> None:
@@ -47,14 +58,113 @@ def _report(device: Any) -> tuple:
         return ("error", cvd, None, str(exc))
 
 
+def _export(device: Any) -> tuple[Any, dict[str, Any]]:
+    """Runs on the exporter: a buffer from an IPC-enabled pool on ``device``, filled with a fresh
+    4-byte pattern, and what the receivers need to know about it."""
+    from cuda.core import DeviceMemoryResource, DeviceMemoryResourceOptions
+
+    import gpu_serde
+
+    dev = gpu_serde.resolve(device)
+    dev.set_current()
+    options = DeviceMemoryResourceOptions(ipc_enabled=True, max_size=2 * HANDOFF_BYTES)
+    pool = DeviceMemoryResource(dev, options)
+    buf = pool.allocate(HANDOFF_BYTES, stream=dev.default_stream)
+    pattern = os.urandom(4)
+    buf.fill(pattern, stream=dev.default_stream)
+    dev.default_stream.sync()
+    return buf, {"ordinal": dev.device_id, "uuid": "GPU-" + dev.uuid, "pattern": pattern}
+
+
+def _read_ends(buf: Any, n: int) -> bytes:
+    """The first and the last ``n`` bytes of device memory ``buf``, through pinned host memory."""
+    import ctypes
+
+    from cuda.core import Buffer, Device, LegacyPinnedMemoryResource
+
+    dev = Device(buf.device_id)
+    dev.set_current()  # Dask unpickles in another thread than the task's
+    stream = dev.default_stream
+    host = LegacyPinnedMemoryResource().allocate(n, stream=stream)
+    try:
+        seen = b""
+        for offset in (0, buf.size - n):
+            view = Buffer.from_handle(int(buf.handle) + offset, n, owner=buf)  # no copy, no free
+            view.copy_to(host, stream=stream)
+            stream.sync()
+            seen += ctypes.string_at(int(host.handle), n)
+        return seen
+    finally:
+        host.close()
+
+
+def _receive(sent: tuple[Any, dict[str, Any]]) -> dict[str, Any]:
+    """Runs on a receiver: map the buffer, read both its ends back and compare with the pattern."""
+    from cuda.core import Device
+
+    import gpu_serde
+
+    buf, exporter = sent
+    try:
+        buf = gpu_serde.resolve(buf)
+        n = min(PEEK_BYTES, buf.size)
+        seen = _read_ends(buf, n)
+        return {
+            "exporter": exporter,
+            "ordinal": buf.device_id,
+            "uuid": "GPU-" + Device(buf.device_id).uuid,
+            "mapped": buf.memory_resource.is_mapped,  # a pool mapped from the exporter
+            "verified": seen == exporter["pattern"] * (2 * n // 4),
+        }
+    except Exception as exc:  # the demo reports any failure, typed ones included
+        return {"exporter": exporter, "error": f"{type(exc).__name__}: {exc}"}
+
+
+class _Exporter:
+    """Ray actor: exports the buffer and holds it until the demo has checked every receiver."""
+
+    def make(self, device: Any) -> dict[str, Any]:
+        self.sent = _export(device)
+        return self.sent[1]
+
+    def send(self) -> tuple[Any, dict[str, Any]]:
+        return self.sent  # pickled afresh for each receiver, so each one finds it held
+
+
+def _gpus(layout: dict[str, str], name: str) -> int:
+    """How many GPUs worker ``name`` of ``layout`` has."""
+    return len(layout[name].split(",")) if layout[name] else 0
+
+
+def _receivers(layout: dict[str, str]) -> list[str]:
+    """The workers that map the exporter's buffer: every other worker with a GPU."""
+    return [n for n, cvd in layout.items() if cvd and n != EXPORTER]
+
+
+def _failed(to: str | None, exc: BaseException) -> Hop:
+    """A hand-off that failed: to ``to``, or on the exporter when ``to`` is None."""
+    exc = getattr(exc, "cause", None) or exc  # a Ray task's error wraps the original
+    return {"from": EXPORTER, "to": to, "error": f"{type(exc).__name__}: {exc}"}
+
+
+def _hop(to: str, get: Callable[[], dict[str, Any]]) -> Hop:
+    """A receiver's result as a hop; an exception getting it (timeout, lost worker) as a failure."""
+    try:
+        return {"from": EXPORTER, "to": to, **get()}
+    except Exception as exc:
+        return _failed(to, exc)
+
+
 def _layout(uuids: list[str]) -> dict[str, str]:
-    """Worker name -> CUDA_VISIBLE_DEVICES: rotated as dask-cuda does, plus one blind worker."""
-    spec = {f"worker-{i}": ",".join(uuids[i:] + uuids[:i]) for i in range(len(uuids))}
+    """Worker name -> CUDA_VISIBLE_DEVICES: rotated as dask-cuda does (at least two GPU workers,
+    so that a buffer can move between them), plus one blind worker."""
+    n = len(uuids)
+    spec = {f"worker-{i}": ",".join(uuids[i % n :] + uuids[: i % n]) for i in range(max(n, 2))}
     spec["no-gpu"] = ""
     return spec
 
 
-def _table(rows: list[tuple[str, tuple]]) -> None:
+def _table(rows: list[Row]) -> None:
     _say(
         f"\n{'worker':<10} {'CUDA_VISIBLE_DEVICES (abbreviated)':<44} {'ordinal':>7}  UUID received"
     )
@@ -63,13 +173,98 @@ def _table(rows: list[tuple[str, tuple]]) -> None:
             continue
         short = ",".join(e[:12] for e in cvd.split(",")) if cvd != "unset" else cvd
         _say(f"{name:<10} {short:<44} {ordinal:>7}  {what}")
+
+
+def _errors(rows: list[Row]) -> None:
     for name, (status, cvd, _, what) in rows:
         if status == "error":
             _say(f"\n{name} (CUDA_VISIBLE_DEVICES={cvd!r}) cannot see it, and says so:\n")
             _say("  " + what.replace("\n", "\n  "))
 
 
-def _run_dask(layout: dict[str, str], send: Any) -> list[tuple[str, tuple]]:
+def _hop_line(h: Hop) -> tuple[bool, str]:
+    """One line for one hand-off, and whether it proved what it should."""
+    mib = HANDOFF_BYTES >> 20
+    if "error" in h:
+        where = f"{h['from']} -> {h['to']}" if h["to"] else f"on {h['from']}"
+        return False, f"buffer {mib} MiB {where}: FAILED: {h['error']}"
+    e = h["exporter"]
+    line = (
+        f"buffer {mib} MiB from {h['from']} (GPU {e['ordinal']} there) -> "
+        f"{h['to']} (GPU {h['ordinal']} there): "
+    )
+    problems = []
+    if h["uuid"] != e["uuid"]:
+        problems.append(f"ANOTHER GPU ({h['uuid']}, sent {e['uuid']})")
+    if not h["verified"]:
+        problems.append("pattern NOT found")
+    if not h["mapped"]:
+        problems.append("not mapped from the exporter")
+    if problems:
+        return False, line + "FAILED: " + "; ".join(problems)
+    return True, line + f"same GPU {h['uuid']}, pattern verified, no copy"
+
+
+def _handoff(hops: list[Hop] | None) -> str:
+    """Print the buffer hand-offs; return the verdict's words for them ("" when they failed)."""
+    if hops is None:
+        _say("\nbuffer hand-off: skipped: simulated GPUs have no memory (it needs real GPUs).")
+        return "buffer hand-off skipped (simulated GPUs)"
+    patterns = {h["exporter"]["pattern"].hex(" ") for h in hops if "exporter" in h}
+    filled = f", filled with bytes {patterns.pop()}" if len(patterns) == 1 else ""
+    _say(
+        f"\nbuffer hand-off ({HANDOFF_BYTES >> 20} MiB from an IPC-enabled pool on {EXPORTER}"
+        f"{filled}; each receiver reads its first and last {PEEK_BYTES >> 10} KiB back):"
+    )
+    results = [_hop_line(h) for h in hops]
+    for _, line in results:
+        _say("  " + line)
+    good = bool(results) and all(ok for ok, _ in results)
+    return f"buffer verified on {len(results)} workers" if good else ""
+
+
+def _handoff_dask(
+    client: Any, by_name: dict[str, str], layout: dict[str, str], send: Any
+) -> list[Hop]:
+    """The exporter's task result stays on it; each receiver's task fetches it from there."""
+    _say(f"Handing a GPU buffer from {EXPORTER} to the other GPU workers ...")
+    made = client.submit(_export, send, workers=[by_name[EXPORTER]], pure=False)
+    failure = made.exception(timeout=120)  # waits; the buffer never comes to this process
+    if failure is not None:
+        return [_failed(None, failure)]
+    checks = {
+        n: client.submit(_receive, made, workers=[by_name[n]], pure=False)
+        for n in _receivers(layout)
+    }
+    return [_hop(n, partial(f.result, timeout=120)) for n, f in checks.items()]
+
+
+def _handoff_ray(layout: dict[str, str], send: Any) -> list[Hop]:
+    """An actor exports the buffer (a GPU task's worker may exit when the task ends) and holds it
+    until every receiving task has checked it."""
+    import ray
+
+    _say(f"Handing a GPU buffer from an actor on {EXPORTER} to the other GPU nodes ...")
+    where = {"num_gpus": _gpus(layout, EXPORTER), "resources": {EXPORTER: 1}}
+    actor = ray.remote(_Exporter).options(**where).remote()
+    try:
+        try:
+            ray.get(actor.make.remote(send), timeout=120)
+        except Exception as exc:
+            return [_failed(None, exc)]
+        check = ray.remote(max_retries=0)(_receive)
+        checks = {}
+        for n in _receivers(layout):
+            on_n = check.options(num_gpus=_gpus(layout, n), resources={n: 1})
+            checks[n] = on_n.remote(actor.send.remote())
+        return [_hop(n, partial(ray.get, r, timeout=120)) for n, r in checks.items()]
+    finally:
+        ray.kill(actor)  # only now: every receiver has checked
+
+
+def _run_dask(
+    layout: dict[str, str], send: Any, handoff: bool
+) -> tuple[list[Row], list[Hop] | None]:
     os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")  # quiet workers too
     from distributed import Client, Nanny, Scheduler, SpecCluster
 
@@ -96,11 +291,14 @@ def _run_dask(layout: dict[str, str], send: Any) -> list[tuple[str, tuple]]:
             n: client.submit(_report, send, workers=[by_name[n]], pure=False) for n in layout
         }
         rows = [(n, f.result(timeout=120)) for n, f in futures.items()]
+        hops = _handoff_dask(client, by_name, layout, send) if handoff else None
         _say("Shutting the cluster down ...")
-        return rows
+        return rows, hops
 
 
-def _run_ray(layout: dict[str, str], send: Any) -> list[tuple[str, tuple]]:
+def _run_ray(
+    layout: dict[str, str], send: Any, handoff: bool
+) -> tuple[list[Row], list[Hop] | None]:
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep Ray on 127.0.0.1
     import ray
     from ray.cluster_utils import Cluster
@@ -111,10 +309,9 @@ def _run_ray(layout: dict[str, str], send: Any) -> list[tuple[str, tuple]]:
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
     try:
         for name, cvd in layout.items():
-            count = len(cvd.split(",")) if cvd else 0
             cluster.add_node(
                 num_cpus=1,
-                num_gpus=count,
+                num_gpus=_gpus(layout, name),
                 resources={name: 1},
                 object_store_memory=80 * 1024 * 1024,
                 env_vars={"CUDA_VISIBLE_DEVICES": cvd},
@@ -123,12 +320,13 @@ def _run_ray(layout: dict[str, str], send: Any) -> list[tuple[str, tuple]]:
         task = ray.remote(max_retries=0)(_report)
         _say("Sending the Device to a task on every node (num_gpus = all of the node's GPUs) ...")
         refs = {}
-        for name, cvd in layout.items():
-            count = len(cvd.split(",")) if cvd else 0
+        for name in layout:
+            count = _gpus(layout, name)
             refs[name] = task.options(num_gpus=count, resources={name: 1}).remote(send)
         rows = [(n, ray.get(r, timeout=120)) for n, r in refs.items()]
+        hops = _handoff_ray(layout, send) if handoff else None
         _say("Shutting the cluster down ...")
-        return rows
+        return rows, hops
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -140,7 +338,10 @@ def run(engine: str = "dask") -> int:
 
     import gpu_serde
 
-    runners: dict[str, Callable[[dict[str, str], Any], list]] = {"dask": _run_dask, "ray": _run_ray}
+    runners: dict[str, Callable[..., tuple[list[Row], list[Hop] | None]]] = {
+        "dask": _run_dask,
+        "ray": _run_ray,
+    }
     started = time.monotonic()
     uuids, simulated = _prepare()
     gpu_serde.install()
@@ -149,14 +350,18 @@ def run(engine: str = "dask") -> int:
     kind = "simulated GPU" if simulated else "GPU"
     _say(f"The driver sends Device(0) = {kind} {uuids[0]}.")
     try:
-        rows = runners[engine](layout, send)
+        rows, hops = runners[engine](layout, send, not simulated)
     except KeyboardInterrupt:
         _say("Interrupted: the cluster was torn down.")
         return 130
     _table(rows)
+    buffers = _handoff(hops)
+    _errors(rows)
     same = {what for _, (status, _, _, what) in rows if status == "ok"}
-    ok = same == {uuids[0]} and any(r[1][0] == "error" for r in rows)
-    verdict = "the same UUID everywhere" if ok else "MISMATCH"
+    devices_ok = same == {uuids[0]} and any(r[1][0] == "error" for r in rows)
+    verdict = "the same UUID everywhere" if devices_ok else "MISMATCH"
+    verdict += f"; {buffers or 'buffer hand-off FAILED'}"
+    ok = devices_ok and bool(buffers)
     _say(f"\n{engine}: {verdict}; {time.monotonic() - started:.1f} s.")
     return 0 if ok else 1
 

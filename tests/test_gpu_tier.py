@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import subprocess
 import sys
 
 import pytest
@@ -157,6 +158,23 @@ def test_dask_workers_get_the_real_gpu_or_the_typed_error(installed):
         assert made.result(timeout=60).uuid == uuid[4:]  # result back to the client
         moved = client.submit(use, made, workers=[by_name["gpu2"]], pure=False)
         assert moved.result(timeout=60) == (0, uuid[4:])  # worker to worker
+
+
+@pytest.mark.parametrize("engine", ["dask", "ray"])
+def test_the_demo_hands_a_buffer_to_every_other_gpu_worker(installed, engine):
+    done = subprocess.run(
+        [sys.executable, "-m", "gpu_serde.cli", "demo", "--engine", engine],
+        env=env_with(os.environ.get("CUDA_VISIBLE_DEVICES")),
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    verified = [line for line in out.splitlines() if "pattern verified, no copy" in line]
+    assert len(verified) == max(len(installed), 2) - 1, out  # the layout has >= 2 GPU workers
+    assert "SIMULATED" not in out and "skipped" not in out and "FAILED" not in out
+    assert f"{engine}: the same UUID everywhere; buffer verified on {len(verified)} workers" in out
 
 
 if __name__ == "__main__":
