@@ -135,16 +135,21 @@ class Broker:
         with self._lock:
             return len(self._fds)
 
-    def close(self) -> None:
-        """Stop serving and close every descriptor the broker holds."""
+    def close(self, *, inherited: bool = False) -> None:
+        """Stop serving and close every descriptor the broker holds.
+
+        ``inherited=True`` (in a forked child) only closes this process's copies: shutting the
+        socket down would stop the parent's broker too, since both share it.
+        """
         with self._lock:
             self._closed = True
             fds, self._fds = list(self._fds.values()), {}
             self._holds.clear()
         for fd in fds:
             os.close(fd)
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
+        if not inherited:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)  # wakes the serving thread's accept
         self._sock.close()
 
     def _serve(self) -> None:
@@ -206,7 +211,7 @@ def _forget_after_fork() -> None:
     if inherited is not None:
         inherited._lock = threading.Lock()
         inherited._holds.clear()  # the parent keeps these alive, not the child
-        inherited.close()
+        inherited.close(inherited=True)
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)

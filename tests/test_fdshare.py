@@ -212,3 +212,23 @@ def test_an_object_never_imported_stays_held_and_release_without_acquire_is_refu
         assert b.held() == 1
     finally:
         b.close()
+
+
+def test_a_forked_child_leaves_its_parents_broker_serving():
+    from gpu_serde import fdshare
+
+    fd = os.memfd_create("exported")
+    os.write(fd, b"still here")
+    token = fdshare.broker().offer(fd)
+    os.close(fd)
+    pid = os.fork()  # Ray, Dask and multiprocessing fork helpers; the child drops its copy
+    if pid == 0:
+        os._exit(0 if fdshare._broker is None else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0  # the child forgot the inherited broker
+    got = fetch(fdshare.broker().address, token)
+    try:
+        assert os.pread(got, 10, 0) == b"still here"  # the parent's broker still answers
+    finally:
+        os.close(got)
+        fdshare.broker().revoke(token)

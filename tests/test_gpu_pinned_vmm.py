@@ -84,7 +84,7 @@ def in_child(job, arg, uuid: str, monkeypatch) -> dict:
     child.start()
     inbox.put((job, arg))
     del arg  # the sender drops its own reference before the receiver reads
-    got = outbox.get(timeout=120)
+    got = outbox.get(timeout=60)
     child.join(60)
     return got
 
