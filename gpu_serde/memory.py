@@ -25,7 +25,13 @@ import time
 import uuid as _uuid
 import weakref
 
-from cuda.core import Buffer, Device, DeviceMemoryResource, PinnedMemoryResource
+from cuda.core import (
+    Buffer,
+    Device,
+    DeviceMemoryResource,
+    PinnedMemoryResource,
+    VirtualMemoryResource,
+)
 
 from gpu_serde import fdshare, wire
 from gpu_serde import inventory as _inventory
@@ -71,8 +77,8 @@ def _pool_payload(mr: Pool) -> tuple:
     origin = _origin.get(id(mr))
     if origin is not None:
         return origin  # an imported pool travels on as it came
-    kind = type(mr)
-    if kind not in _FIX or not mr.is_ipc_enabled:
+    kind = next((k for k in _FIX if isinstance(mr, k)), None)
+    if kind is None or not mr.is_ipc_enabled:
         raise NotIPCEnabledError(
             f"{mr!r} cannot be sent to another process: "
             + (
@@ -131,8 +137,9 @@ def any_device() -> Device:
     inv = _inventory.inventory()
     if not inv.devices:
         raise HandoffError(
-            "pinned host memory needs a CUDA device in the receiving process to map it, and this "
-            f"process sees none: {inv.describe()}"
+            "host memory (a pinned pool, or a VirtualMemoryResource of host memory) needs a CUDA "
+            f"device in the receiving process to map it, and this process sees none: "
+            f"{inv.describe()}"
         )
     return Device()
 
@@ -202,11 +209,11 @@ def reduce_buffer(buf: Buffer) -> tuple:
     if origin is not None:
         return origin
     mr = buf.memory_resource
-    if type(mr).__name__ == "VirtualMemoryResource":
+    if isinstance(mr, VirtualMemoryResource):
         from gpu_serde import vmm
 
         return vmm.reduce_buffer(buf, mr)
-    if type(mr) not in _FIX:
+    if not isinstance(mr, (DeviceMemoryResource, PinnedMemoryResource)):
         raise NotIPCEnabledError(
             f"{buf!r} cannot be sent to another process without a copy: only buffers allocated "
             "from an IPC-enabled DeviceMemoryResource or PinnedMemoryResource (or a "
@@ -300,8 +307,18 @@ def _after_fork_in_child() -> None:
     multiprocessing.util.Finalize(None, _release_all_at_exit, exitpriority=100)
 
 
+class _AfterFork:
+    """multiprocessing clears its exit finalizers in a child it forks, after ``os.fork``'s
+    hooks; this re-registers ours afterwards (``register_after_fork`` runs later)."""
+
+
+_after_fork_key = _AfterFork()
 atexit.register(_release_all_at_exit)
 multiprocessing.util.Finalize(None, _release_all_at_exit, exitpriority=100)  # mp children
+multiprocessing.util.register_after_fork(
+    _after_fork_key,
+    lambda _: multiprocessing.util.Finalize(None, _release_all_at_exit, exitpriority=100),
+)
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import operator
 import os
 from typing import Any
 
@@ -22,7 +23,7 @@ from cuda.core import typing as cctyping
 from gpu_serde import fdshare, memory, wire
 from gpu_serde import inventory as _inventory
 from gpu_serde.errors import HandoffError, NotIPCEnabledError, PayloadError
-from gpu_serde.payload import VERSION, decode_device
+from gpu_serde.payload import VERSION, decode_device, validate_options
 
 #: Option fields sent as the string values of cuda.core's enums (or None), in payload order.
 ENUM_FIELDS = {
@@ -66,7 +67,8 @@ def options_payload(opts: VirtualMemoryResourceOptions) -> tuple:
     sender's object too, so the sender's own later allocations still grant those peers.
 
     Raises:
-        ValueError: a peer is not a device of this process.
+        ValueError: a peer is not a device of this process, or a value cannot be sent.
+        TypeError: an enum field is not a string, an enum or None.
     """
     peers = opts.peers
     if iter(peers) is peers:
@@ -75,19 +77,25 @@ def options_payload(opts: VirtualMemoryResourceOptions) -> tuple:
     if len(peers) > MAX_PEERS:
         raise ValueError(f"VirtualMemoryResourceOptions.peers: at most {MAX_PEERS} peers")
     plain = {f: _plain(f, getattr(opts, f)) for f in ENUM_FIELDS}
-    return (
+    hint = None if opts.addr_hint is None else operator.index(opts.addr_hint)
+    align = operator.index(opts.addr_align) if opts.addr_align else None  # 0: the granularity
+    p = (
         VERSION,
         plain["allocation_type"],
         plain["location_type"],
         plain["handle_type"],
         plain["granularity"],
         bool(opts.gpu_direct_rdma),
-        opts.addr_hint,
-        opts.addr_align,
+        hint,
+        align,
         tuple(_peer_payload(x) for x in peers),
         plain["self_access"],
         plain["peer_access"],
     )
+    try:
+        return validate_options(p)  # what a receiver would refuse fails here, at the sender
+    except PayloadError as exc:
+        raise ValueError(f"these VirtualMemoryResourceOptions cannot be sent: {exc}") from None
 
 
 def reduce_options(opts: VirtualMemoryResourceOptions) -> tuple:
@@ -123,8 +131,9 @@ def _enum(field: str, value: str | None) -> Any:
         ) from None
 
 
-def rebuild_options(p: tuple) -> VirtualMemoryResourceOptions:
-    """Options on this process's ordinals (payload already validated).
+def rebuild_options(p: tuple, *, visible_peers_only: bool = False) -> VirtualMemoryResourceOptions:
+    """Options on this process's ordinals (payload already validated); ``visible_peers_only``
+    drops the peers this process cannot see instead of raising.
 
     Raises:
         DeviceNotVisibleError: a peer GPU is not visible here (the message names it).
@@ -134,6 +143,8 @@ def rebuild_options(p: tuple) -> VirtualMemoryResourceOptions:
     peers = []
     for dp in p[8]:
         ordinal = inv.by_uuid.get(dp[1:17])
+        if ordinal is None and visible_peers_only:
+            continue
         if ordinal is None:
             raise wire.not_visible_error(
                 decode_device(dp), inv, what="Peer GPU (VirtualMemoryResourceOptions.peers)"
@@ -152,8 +163,9 @@ def rebuild_options(p: tuple) -> VirtualMemoryResourceOptions:
     )
 
 
-def rebuild_resource(p: tuple) -> VirtualMemoryResource:
-    """A ``VirtualMemoryResource`` on this process's ordinal of the same GPU (payload validated).
+def rebuild_resource(p: tuple, *, visible_peers_only: bool = False) -> VirtualMemoryResource:
+    """A ``VirtualMemoryResource`` on this process's ordinal of the same GPU (payload validated);
+    ``visible_peers_only`` as for :func:`rebuild_options`.
 
     Raises:
         DeviceNotVisibleError: its GPU, or a peer, is not visible here.
@@ -167,7 +179,7 @@ def rebuild_resource(p: tuple) -> VirtualMemoryResource:
         if ordinal is None:
             raise wire.not_visible_error(decode_device(dev_payload), inv)
         dev = Device(ordinal)
-    return VirtualMemoryResource(dev, rebuild_options(opts))
+    return VirtualMemoryResource(dev, rebuild_options(opts, visible_peers_only=visible_peers_only))
 
 
 def _check(call: str, result: tuple) -> Any:
@@ -195,13 +207,42 @@ def _let_go(fd_token: bytes, buf: Buffer) -> None:
     memory._let_go(buf)
 
 
+def _check_whole(ptr: int, size: int) -> None:
+    """One physical allocation must back the whole buffer (not so after ``modify_allocation``)."""
+    first = _check("cuMemRetainAllocationHandle", driver.cuMemRetainAllocationHandle(ptr))
+    try:
+        last = _check(
+            "cuMemRetainAllocationHandle", driver.cuMemRetainAllocationHandle(ptr + size - 1)
+        )
+        driver.cuMemRelease(last)
+    finally:
+        driver.cuMemRelease(first)
+    if int(first) != int(last):
+        raise NotIPCEnabledError(
+            "this VirtualMemoryResource buffer spans several physical allocations (it was grown "
+            "with modify_allocation): gpu_serde sends buffers backed by one allocation"
+        )
+
+
+@contextlib.contextmanager
+def _context(dev: Device):
+    """Make ``dev`` current for the block, then restore the thread's previous context."""
+    prev = driver.cuCtxGetCurrent()[1]
+    dev.set_current()
+    try:
+        yield
+    finally:
+        driver.cuCtxSetCurrent(prev)
+
+
 def reduce_buffer(buf: Buffer, mr: VirtualMemoryResource) -> tuple:
     """Reducer body for a buffer of a ``VirtualMemoryResource``:
     ``(gpu_serde.wire.vbuf, (payload,))``; keeps ``buf`` alive for its importers.
 
     Raises:
-        NotIPCEnabledError: the resource does not export POSIX descriptors, or allocates host
-            memory.
+        NotIPCEnabledError: the resource does not export POSIX descriptors, allocates host
+            memory, or the buffer spans several physical allocations.
+        ValueError: its options cannot be sent (see :func:`options_payload`).
     """
     if _plain("handle_type", mr.config.handle_type) != "posix_fd" or mr.device is None:
         raise NotIPCEnabledError(
@@ -215,15 +256,22 @@ def reduce_buffer(buf: Buffer, mr: VirtualMemoryResource) -> tuple:
     with memory._lock:
         sent = memory._sent.get(buf)
         if sent is None or b.peek(sent[4]) is not buf:  # first time, or let go since
-            Device(mr.device.device_id).set_current()
-            fd = _export(int(buf.handle))
+            res = resource_payload(mr)  # before anything is offered: it may raise
+            ptr = int(buf.handle)
+            with _context(mr.device):
+                _check_whole(ptr, buf.size)
+                fd = _export(ptr)
             try:
                 fd_token = b.offer(fd)
             finally:
                 os.close(fd)
-            hold = b.hold(buf, lambda obj: _let_go(fd_token, obj), grace=memory.RELEASE_GRACE_S)
-            sent = (VERSION, resource_payload(mr), memory.BOOT_ID, b.address, hold, buf.size)
-            sent = memory._sent[buf] = (*sent, fd_token)
+            try:
+                hold = b.hold(buf, lambda obj: _let_go(fd_token, obj), grace=memory.RELEASE_GRACE_S)
+            except Exception:
+                b.revoke(fd_token)
+                raise
+            sent = (VERSION, res, memory.BOOT_ID, b.address, hold, buf.size, fd_token)
+            memory._sent[buf] = sent
     return (wire.vbuf, (sent,))
 
 
@@ -268,20 +316,25 @@ def _map(fd: int, size: int, mr: VirtualMemoryResource) -> int:
 
 
 def rebuild_buffer(p: tuple) -> Buffer:
-    """The exporter's VMM buffer mapped here without a copy (payload already validated).
+    """The exporter's VMM buffer mapped here without a copy (payload already validated). Peers
+    this process cannot see are left out of the mapping's access (they are not in this process).
 
     Raises:
         OtherHostError, ExporterGoneError, TokenRefusedError, HandoffError,
         DeviceNotVisibleError: why it could not be mapped.
     """
     _, res, boot, address, hold, size, fd_token = p
-    memory._check_host(boot, "GPU memory (a VirtualMemoryResource buffer)")
+    d = decode_device(res[1])
+    memory._check_host(
+        boot, f"GPU memory from host {d.host!r} (pid {d.pid}, GPU {d.canonical_uuid})"
+    )
     if fdshare.is_own(address):
         held = fdshare.broker().peek(hold)
         if held is not None:
             return held  # back in the exporting process: the original buffer
-    mr = rebuild_resource(res)
+    mr = rebuild_resource(res, visible_peers_only=True)
     fdshare.acquire(address, hold)
+    ptr = None
     try:
         mr.device.set_current()
         fd = fdshare.fetch(address, fd_token)
@@ -291,10 +344,13 @@ def rebuild_buffer(p: tuple) -> Buffer:
             os.close(fd)
         buf = Buffer.from_handle(ptr=ptr, size=size, mr=mr)
     except Exception as exc:
+        if ptr is not None:  # mapped, but not wrapped: undo the mapping here
+            driver.cuMemUnmap(ptr, size)
+            driver.cuMemAddressFree(ptr, size)
         with contextlib.suppress(Exception):
             fdshare.release(address, hold)
-        if isinstance(exc, HandoffError):
-            raise
+        if isinstance(exc, HandoffError) and type(exc) is not HandoffError:
+            raise  # a typed kind (ExporterGoneError, TokenRefusedError): as it is
         raise HandoffError(f"mapping the exported VMM buffer failed: {exc}") from exc
     memory.track_import(buf, (wire.vbuf, (p,)), address, hold, mr.device.device_id)
     return buf

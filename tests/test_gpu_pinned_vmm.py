@@ -8,6 +8,7 @@ pattern: pinned memory on the host, VMM memory on the GPU (CuPy through DLPack).
 from __future__ import annotations
 
 import ctypes
+import gc
 import multiprocessing
 import os
 import pickle
@@ -72,21 +73,31 @@ def describe_resource(mr) -> dict:
 
 
 def serve(inbox, outbox) -> None:
-    job, arg = inbox.get(timeout=120)
-    outbox.put(job(arg))
+    """A long-lived receiver: runs each job, then drops what it received."""
+    while (item := inbox.get(timeout=120)) is not None:
+        job, arg = item
+        outbox.put(job(arg))
+        del item, arg
+        gc.collect()
 
 
-def in_child(job, arg, uuid: str, monkeypatch) -> dict:
+def in_child(job, holder: list, uuid: str, monkeypatch, then=None) -> tuple[dict, object]:
+    """Run ``job`` on the object in ``holder`` in a spawned child that sees the GPU by UUID; the
+    caller keeps no reference (the queue's is the last one). ``then()`` runs while the child is
+    still alive, after it has dropped the object."""
     ctx = multiprocessing.get_context("spawn")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", uuid)  # the UUID form, not "0"
     inbox, outbox = ctx.Queue(), ctx.Queue()
     child = ctx.Process(target=serve, args=(inbox, outbox))
     child.start()
-    inbox.put((job, arg))
-    del arg  # the sender drops its own reference before the receiver reads
-    got = outbox.get(timeout=60)
-    child.join(60)
-    return got
+    try:
+        inbox.put((job, holder.pop()))
+        got = outbox.get(timeout=60)
+        after = then() if then else None
+    finally:
+        inbox.put(None)
+        child.join(60)
+    return got, after
 
 
 @pytest.fixture
@@ -111,10 +122,17 @@ def test_pinned_host_memory_reaches_a_child_and_is_let_go(installed, monkeypatch
     buf = mr.allocate(256 * MiB, stream=Device(0).default_stream)
     Device(0).sync()
     host_words(buf)[:] = np.arange(buf.size // 4, dtype=np.uint32)
-    got = in_child(check_pinned, buf, installed[0].uuid, monkeypatch)
-    del buf
+    holder = [buf]
+    del buf  # the sender drops its own reference before the receiver reads
+    got, freed = in_child(
+        check_pinned,
+        holder,
+        installed[0].uuid,
+        monkeypatch,
+        then=lambda: wait_until(lambda: mr.attributes.used_mem_current == baseline),
+    )
     assert got["ok"] and got["size"] == 256 * MiB and got["host"] and got["pid"] != os.getpid()
-    assert wait_until(lambda: mr.attributes.used_mem_current == baseline)
+    assert freed  # the receiver dropped it (and is still running): the memory is back
 
 
 def test_a_pinned_pool_that_is_not_ipc_enabled_fails_at_pickling(installed):
@@ -131,23 +149,30 @@ def test_a_vmm_gib_reaches_a_child_and_is_let_go(installed, monkeypatch):
     words[:] = cp.arange(words.size, dtype=cp.uint32)
     cp.cuda.runtime.deviceSynchronize()
     del words
-    held = broker().held()
-    got = in_child(check_on_gpu, buf, installed[0].uuid, monkeypatch)
-    del buf
+    held, served = broker().held(), len(broker())
+    holder = [buf]
+    del buf  # the sender drops its own reference before the receiver reads
+    got, released = in_child(
+        check_on_gpu,
+        holder,
+        installed[0].uuid,
+        monkeypatch,
+        then=lambda: wait_until(lambda: broker().held() == held and len(broker()) == served),
+    )
     assert got["ok"] and got["size"] == GiB and got["pid"] != os.getpid()
-    assert wait_until(lambda: broker().held() == held)  # the importer released it
+    assert released  # the receiver dropped it (still running): hold and descriptor let go
 
 
 def test_a_vmm_resource_lands_on_the_receivers_ordinal_with_its_peers(installed, monkeypatch):
     mr = VirtualMemoryResource(Device(0), VirtualMemoryResourceOptions(peers=(d for d in [0])))
-    got = in_child(describe_resource, mr, installed[0].uuid, monkeypatch)
+    got, _ = in_child(describe_resource, [mr], installed[0].uuid, monkeypatch)
     assert got == {"device": 0, "uuid": Device(0).uuid, "peers": [0]}
 
 
 def test_a_host_memory_vmm_buffer_fails_at_pickling_with_the_reason(installed):
     mr = VirtualMemoryResource(Device(0), VirtualMemoryResourceOptions(handle_type=None))
     buf = mr.allocate(2 * MiB)
-    with pytest.raises(gpu_serde.NotIPCEnabledError, match="handle_type='posix_fd'"):
+    with pytest.raises(gpu_serde.NotIPCEnabledError, match="this resource has handle_type=None"):
         pickle.dumps(buf)
     buf.close()
 
@@ -182,3 +207,12 @@ def test_a_dask_worker_receives_pinned_and_vmm_buffers(installed):
         got_v = client.submit(check_on_gpu, vbuf, pure=False).result(timeout=120)
     assert got_p["ok"] and got_p["size"] == 64 * MiB and got_p["pid"] != os.getpid()
     assert got_v["ok"] and got_v["size"] == 64 * MiB and got_v["pid"] != os.getpid()
+
+
+def test_pinned_and_vmm_buffers_that_come_back_are_the_exporters_own(installed):
+    pinned = PinnedMemoryResource(PinnedMemoryResourceOptions(ipc_enabled=True, max_size=GiB))
+    pbuf = pinned.allocate(MiB, stream=Device(0).default_stream)
+    vbuf = VirtualMemoryResource(Device(0)).allocate(2 * MiB)
+    assert pickle.loads(pickle.dumps(pbuf)) is pbuf
+    assert pickle.loads(pickle.dumps(vbuf)) is vbuf
+    assert pickle.loads(pickle.dumps(pinned)) is pinned

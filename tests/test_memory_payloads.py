@@ -229,3 +229,34 @@ def test_an_exiting_importer_releases_what_it_still_holds():
         assert let_go == ["a buffer"] and 12345 not in memory._live
     finally:
         b.close()
+
+
+def _import_and_exit(address: str, token: bytes) -> None:
+    from gpu_serde import memory
+    from gpu_serde.fdshare import acquire
+
+    acquire(address, token)  # as rebuild_buffer does, then exits holding it
+    memory._live[12345] = (address, token, 0)
+
+
+def test_a_fork_started_multiprocessing_child_releases_at_exit():
+    import multiprocessing
+
+    from gpu_serde.fdshare import Broker
+
+    b = Broker()
+    let_go = []
+    try:
+        token = b.hold("a buffer", let_go.append, grace=0)
+        child = multiprocessing.get_context("fork").Process(
+            target=_import_and_exit, args=(b.address, token)
+        )
+        child.start()
+        child.join(30)
+        assert child.exitcode == 0
+        deadline = time.monotonic() + 3
+        while not let_go and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert let_go == ["a buffer"]  # multiprocessing's fork path skips atexit: still told
+    finally:
+        b.close()

@@ -1,6 +1,6 @@
 """VirtualMemoryResource and its options travel by GPU UUID: the device and every peer land on the
 receiver's own ordinals of the same GPUs, and a peer the receiver cannot see is named in a typed
-error. (Mapping VMM buffers needs a GPU: see test_gpu_memory.py.)"""
+error. (Mapping VMM buffers needs a GPU: see test_gpu_pinned_vmm.py.)"""
 
 import pickle
 
@@ -142,3 +142,29 @@ def test_malformed_vmm_payloads_are_named(installed):
         vmm((1, None))
     with pytest.raises(PayloadError, match="names its device"):
         vbuf((1, (1, None, good), BOOT_ID, "@x", bytes(16), 10, bytes(16)))
+
+
+def test_option_values_cuda_core_accepts_are_sent_as_plain_ints(installed):
+    import numpy as np
+
+    opts = VirtualMemoryResourceOptions(addr_hint=np.int64(1 << 40), addr_align=0)
+    got = pickle.loads(pickle.dumps(opts))
+    assert (got.addr_hint, got.addr_align) == (1 << 40, None)  # 0 and None both mean granularity
+    assert type(got.addr_hint) is int
+
+
+def test_options_a_receiver_would_refuse_fail_at_the_sender(installed):
+    with pytest.raises(ValueError, match="cannot be sent"):
+        pickle.dumps(VirtualMemoryResourceOptions(self_access="x" * 40))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(min_value=0, max_value=10), plain)
+def test_one_bad_field_in_a_valid_options_payload_is_a_payload_error(field, value):
+    good = list(options_payload(VirtualMemoryResourceOptions()))
+    good[field] = value
+    try:
+        got = vmo(tuple(good))
+    except PayloadError:
+        return
+    assert isinstance(got, (UnresolvedObject, VirtualMemoryResourceOptions))
