@@ -220,7 +220,8 @@ def _handoff(hops: list[Hop] | None) -> str:
     for _, line in results:
         _say("  " + line)
     good = bool(results) and all(ok for ok, _ in results)
-    return f"buffer verified on {len(results)} workers" if good else ""
+    n = len(results)
+    return f"buffer verified on {n} worker{'s' if n != 1 else ''}" if good else ""
 
 
 def _handoff_dask(

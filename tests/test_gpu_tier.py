@@ -174,7 +174,8 @@ def test_the_demo_hands_a_buffer_to_every_other_gpu_worker(installed, engine):
     verified = [line for line in out.splitlines() if "pattern verified, no copy" in line]
     assert len(verified) == max(len(installed), 2) - 1, out  # the layout has >= 2 GPU workers
     assert "SIMULATED" not in out and "skipped" not in out and "FAILED" not in out
-    assert f"{engine}: the same UUID everywhere; buffer verified on {len(verified)} workers" in out
+    workers = f"{len(verified)} worker{'s' if len(verified) != 1 else ''}"
+    assert f"{engine}: the same UUID everywhere; buffer verified on {workers}" in out
 
 
 if __name__ == "__main__":
