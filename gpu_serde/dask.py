@@ -22,7 +22,7 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from gpu_serde.identity import uuid_bytes
 from gpu_serde.inventory import inventory, set_role
-from gpu_serde.reducers import install
+from gpu_serde.reducers import ensure_installed
 
 logger = logging.getLogger("gpu_serde.dask")
 
@@ -50,7 +50,7 @@ def _tokenize_pool(mr: DeviceMemoryResource | PinnedMemoryResource) -> tuple:
 
 
 def _setup_worker(worker: Any) -> None:
-    install()
+    ensure_installed()
     set_role(f"dask worker {worker.address}")
     inv = inventory()
     logger.debug(
@@ -80,7 +80,7 @@ def register(client: Any) -> None:
     Args:
         client: a connected ``distributed.Client``.
     """
-    install()
+    ensure_installed()
     set_role("dask client")
     client.register_plugin(GPUSerdePlugin())
 
@@ -92,5 +92,5 @@ def dask_setup(service: Any) -> None:
     if isinstance(service, Worker):
         _setup_worker(service)
     else:
-        install()
+        ensure_installed()
         set_role(f"dask {type(service).__name__.lower()} {getattr(service, 'address', '')}")

@@ -16,7 +16,7 @@ import os
 from typing import Any
 
 from gpu_serde.inventory import set_role
-from gpu_serde.reducers import install
+from gpu_serde.reducers import ensure_installed
 
 HOOK = "gpu_serde.ray.setup_worker"
 _KEY = "worker_process_setup_hook"
@@ -36,7 +36,7 @@ def setup_worker() -> None:
     """
     import ray
 
-    install()
+    ensure_installed()
     try:
         node = ray.get_runtime_context().get_node_id()
     except Exception:  # the role is only for messages
@@ -78,6 +78,6 @@ def init(*args: Any, **kwargs: Any) -> Any:
     import ray
 
     kwargs["runtime_env"] = runtime_env(kwargs.get("runtime_env"))
-    install()
+    ensure_installed()
     set_role("ray driver")
     return ray.init(*args, **kwargs)

@@ -103,6 +103,12 @@ def install(strict: bool = False) -> None:
         _installed = True
 
 
+def ensure_installed() -> None:
+    """:func:`install`, keeping this process's ``strict`` setting (what the Ray and Dask adapters
+    call, so that they never undo a user's ``install(strict=True)``)."""
+    install(wire.strict)
+
+
 def uninstall() -> None:
     """Undo :func:`install`: ``cuda.core`` objects pickle as cuda.core itself does (by ordinal).
 

@@ -71,3 +71,15 @@ def test_resolve_passes_real_objects_through(installed):
     d = Device(0)
     assert gpu_serde.resolve(d) is d
     assert gpu_serde.resolve(42) == 42
+
+
+def test_the_adapters_installing_again_keep_a_users_strict_mode(simulated_gpus):
+    from gpu_serde import wire
+    from gpu_serde.reducers import ensure_installed
+
+    gpu_serde.install(strict=True)
+    try:
+        ensure_installed()  # what gpu_serde.ray.init and gpu_serde.dask.register call
+        assert wire.strict is True
+    finally:
+        gpu_serde.uninstall()
