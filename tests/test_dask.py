@@ -180,3 +180,24 @@ def test_devices_tokenize_by_uuid(simulated_gpus):
         assert dask.base.tokenize(Device(1)) != dask.base.tokenize(Device(2))
     finally:
         gpu_serde.uninstall()
+
+
+def vmm_where(obj) -> list:
+    """On a worker: the received VirtualMemoryResource's device and peers as (ordinal, UUID)."""
+    mr = gpu_serde.resolve(obj)
+    devices = [mr.device, *(Device(int(p)) for p in mr.config.peers)]
+    return [[d.device_id, d.uuid] for d in devices]
+
+
+def test_a_vmm_resource_reaches_rotated_workers_with_device_and_peers_by_uuid(dask_cluster):
+    from cuda.core import VirtualMemoryResource, VirtualMemoryResourceOptions
+
+    client, workers, uuids = dask_cluster
+    mr = VirtualMemoryResource(Device(2), VirtualMemoryResourceOptions(peers=(0, 3)))
+    for name in ("w1", "w3"):
+        got = client.submit(vmm_where, mr, workers=[workers[name]], pure=False).result(timeout=60)
+        assert got == [[local_ordinal(name, uuids[k], uuids), uuids[k][4:]] for k in (2, 0, 3)]
+    blind = client.submit(vmm_where, mr, workers=[workers["blind"]], pure=False)
+    with pytest.raises(gpu_serde.DeviceNotVisibleError) as info:
+        blind.result(timeout=60)
+    assert info.value.uuid == uuids[2]

@@ -128,6 +128,26 @@ def test_a_task_given_both_gpus_of_a_node_gets_each_device_at_its_own_ordinal(cl
     assert ordinals == {0, 1}  # each GPU at its own local ordinal
 
 
+@ray.remote(max_retries=0)
+def vmm_where(obj) -> list:
+    mr = gpu_serde.resolve(obj)
+    devices = [mr.device, *(Device(int(p)) for p in mr.config.peers)]
+    return [[d.device_id, d.uuid] for d in devices]
+
+
+def test_a_vmm_resource_and_its_peers_reach_a_task_by_uuid(cluster):
+    from cuda.core import VirtualMemoryResource, VirtualMemoryResourceOptions
+
+    order = cluster["b"]
+    fresh = {"env_vars": {"GPU_SERDE_TEST_POOL": "vmm-b"}}
+    options = VirtualMemoryResourceOptions(peers=(driver_device(order[1]),))
+    mr = VirtualMemoryResource(driver_device(order[0]), options)
+    task = vmm_where.options(num_gpus=2, runtime_env=fresh, **on("b"))
+    got = ray.get(task.remote(mr))
+    assert [uuid for _, uuid in got] == [bare(order[0]), bare(order[1])]  # as seen in the task
+    assert sorted(ordinal for ordinal, _ in got) == [0, 1]
+
+
 def test_the_worker_hook_leaves_gpu_assignment_to_ray(cluster):
     @ray.remote(num_gpus=1, max_retries=0)
     def what_cuda_sees() -> tuple:
