@@ -33,3 +33,13 @@ def _tier_driver(request: pytest.FixtureRequest):
     """The CPU tier activates simulated GPUs before any test can initialise CUDA."""
     if not gpu_tier(request.config):
         request.getfixturevalue("simulated_gpus")
+
+
+@pytest.fixture
+def installed(simulated_gpus):
+    """gpu_serde installed on the simulated GPUs for one test (GPU-tier modules define their own)."""
+    import gpu_serde
+
+    gpu_serde.install()
+    yield simulated_gpus
+    gpu_serde.uninstall()

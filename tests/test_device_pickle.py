@@ -13,13 +13,6 @@ from gpu_serde.payload import decode_device
 from gpu_serde.wire import dev
 
 
-@pytest.fixture
-def installed(simulated_gpus):
-    gpu_serde.install()
-    yield simulated_gpus
-    gpu_serde.uninstall()
-
-
 def test_visible_devices_lists_the_simulated_gpus_in_order(simulated_gpus):
     seen = gpu_serde.visible_devices()
     assert [d.uuid for d in seen] == [g.uuid for g in simulated_gpus]

@@ -20,13 +20,6 @@ except gpu_serde.DeviceNotVisibleError as exc:
 """
 
 
-@pytest.fixture
-def installed(simulated_gpus):
-    gpu_serde.install()
-    yield simulated_gpus
-    gpu_serde.uninstall()
-
-
 def bare(uuid: str) -> str:
     return uuid[4:]  # cuda.core's Device.uuid has no GPU- prefix
 

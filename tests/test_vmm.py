@@ -33,13 +33,6 @@ except gpu_serde.DeviceNotVisibleError as exc:
 RECEIVE = "from cuda.core import Device\n" + RECEIVE
 
 
-@pytest.fixture
-def installed(simulated_gpus):
-    gpu_serde.install()
-    yield simulated_gpus
-    gpu_serde.uninstall()
-
-
 def bare(uuid: str) -> str:
     return uuid[4:]
 
