@@ -50,7 +50,7 @@ def _tokenize_pool(mr: DeviceMemoryResource | PinnedMemoryResource) -> tuple:
 
 
 def _setup_worker(worker: Any) -> None:
-    ensure_installed()
+    ensure_installed("Dask")
     set_role(f"dask worker {worker.address}")
     inv = inventory()
     logger.debug(
@@ -80,7 +80,7 @@ def register(client: Any) -> None:
     Args:
         client: a connected ``distributed.Client``.
     """
-    ensure_installed()
+    ensure_installed("Dask")
     set_role("dask client")
     client.register_plugin(GPUSerdePlugin())
 
@@ -92,5 +92,5 @@ def dask_setup(service: Any) -> None:
     if isinstance(service, Worker):
         _setup_worker(service)
     else:
-        ensure_installed()
+        ensure_installed("Dask")
         set_role(f"dask {type(service).__name__.lower()} {getattr(service, 'address', '')}")

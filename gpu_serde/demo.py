@@ -14,7 +14,6 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 from gpu_serde import testing
@@ -141,6 +140,15 @@ def _receivers(layout: dict[str, str]) -> list[str]:
     return [n for n, cvd in layout.items() if cvd and n != EXPORTER]
 
 
+HANDOFF_TIMEOUT_S = 120  # the whole buffer step, all receivers together
+
+
+def _deadline(seconds: float) -> Callable[[], float]:
+    """A function giving the seconds left until ``seconds`` from now (at least 1)."""
+    end = time.monotonic() + seconds
+    return lambda: max(1.0, end - time.monotonic())
+
+
 def _failed(to: str | None, exc: BaseException) -> Hop:
     """A hand-off that failed: to ``to``, or on the exporter when ``to`` is None."""
     exc = getattr(exc, "cause", None) or exc  # a Ray task's error wraps the original
@@ -229,15 +237,19 @@ def _handoff_dask(
 ) -> list[Hop]:
     """The exporter's task result stays on it; each receiver's task fetches it from there."""
     _say(f"Handing a GPU buffer from {EXPORTER} to the other GPU workers ...")
+    left = _deadline(HANDOFF_TIMEOUT_S)
     made = client.submit(_export, send, workers=[by_name[EXPORTER]], pure=False)
-    failure = made.exception(timeout=120)  # waits; the buffer never comes to this process
+    try:
+        failure = made.exception(timeout=left())  # waits; the buffer never comes here
+    except Exception as exc:  # timed out
+        return [_failed(None, exc)]
     if failure is not None:
         return [_failed(None, failure)]
     checks = {
         n: client.submit(_receive, made, workers=[by_name[n]], pure=False)
         for n in _receivers(layout)
     }
-    return [_hop(n, partial(f.result, timeout=120)) for n, f in checks.items()]
+    return [_hop(n, lambda f=f: f.result(timeout=left())) for n, f in checks.items()]
 
 
 def _handoff_ray(layout: dict[str, str], send: Any) -> list[Hop]:
@@ -248,9 +260,10 @@ def _handoff_ray(layout: dict[str, str], send: Any) -> list[Hop]:
     _say(f"Handing a GPU buffer from an actor on {EXPORTER} to the other GPU nodes ...")
     where = {"num_gpus": _gpus(layout, EXPORTER), "resources": {EXPORTER: 1}}
     actor = ray.remote(_Exporter).options(**where).remote()
+    left = _deadline(HANDOFF_TIMEOUT_S)
     try:
         try:
-            ray.get(actor.make.remote(send), timeout=120)
+            ray.get(actor.make.remote(send), timeout=left())
         except Exception as exc:
             return [_failed(None, exc)]
         check = ray.remote(max_retries=0)(_receive)
@@ -258,7 +271,7 @@ def _handoff_ray(layout: dict[str, str], send: Any) -> list[Hop]:
         for n in _receivers(layout):
             on_n = check.options(num_gpus=_gpus(layout, n), resources={n: 1})
             checks[n] = on_n.remote(actor.send.remote())
-        return [_hop(n, partial(ray.get, r, timeout=120)) for n, r in checks.items()]
+        return [_hop(n, lambda r=r: ray.get(r, timeout=left())) for n, r in checks.items()]
     finally:
         ray.kill(actor)  # only now: every receiver has checked
 

@@ -36,7 +36,7 @@ def setup_worker() -> None:
     """
     import ray
 
-    ensure_installed()
+    ensure_installed("Ray")
     try:
         node = ray.get_runtime_context().get_node_id()
     except Exception:  # the role is only for messages
@@ -78,6 +78,6 @@ def init(*args: Any, **kwargs: Any) -> Any:
     import ray
 
     kwargs["runtime_env"] = runtime_env(kwargs.get("runtime_env"))
-    ensure_installed()
+    ensure_installed("Ray")
     set_role("ray driver")
     return ray.init(*args, **kwargs)

@@ -8,6 +8,7 @@ versioned plain-data payload (:mod:`gpu_serde.payload`) rebuilt by :func:`gpu_se
 from __future__ import annotations
 
 import copyreg
+import logging
 import os
 import threading
 from multiprocessing.reduction import ForkingPickler
@@ -103,10 +104,20 @@ def install(strict: bool = False) -> None:
         _installed = True
 
 
-def ensure_installed() -> None:
-    """:func:`install`, keeping this process's ``strict`` setting (what the Ray and Dask adapters
-    call, so that they never undo a user's ``install(strict=True)``)."""
-    install(wire.strict)
+def ensure_installed(engine: str = "") -> None:
+    """:func:`install`, keeping this process's ``strict`` setting: what the Ray and Dask adapters
+    call, so that they never silently undo a user's ``install(strict=True)``. Under an
+    ``engine`` ("Ray", "Dask") strict mode is logged as a warning, since it makes unpickling raise
+    there."""
+    strict = wire.strict
+    install(strict)
+    if engine and strict:
+        logging.getLogger("gpu_serde").warning(
+            "gpu_serde is installed with strict=True under %s: a payload this process cannot "
+            "rebuild raises while unpickling (a Dask worker dies of it; Ray hides the error "
+            "type). Call gpu_serde.install() without strict=True to get placeholders instead.",
+            engine,
+        )
 
 
 def uninstall() -> None:

@@ -23,7 +23,7 @@ from cuda.core import typing as cctyping
 from gpu_serde import fdshare, memory, wire
 from gpu_serde import inventory as _inventory
 from gpu_serde.errors import HandoffError, NotIPCEnabledError, PayloadError
-from gpu_serde.payload import VERSION, decode_device, validate_options
+from gpu_serde.payload import MAX_PEERS, VERSION, decode_device, validate_options
 
 #: Option fields sent as the string values of cuda.core's enums (or None), in payload order.
 ENUM_FIELDS = {
@@ -34,7 +34,6 @@ ENUM_FIELDS = {
     "self_access": "VirtualMemoryAccessType",
     "peer_access": "VirtualMemoryAccessType",
 }
-MAX_PEERS = 64
 _POSIX_FD = driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 _ACCESS = {
     "rw": driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
@@ -99,12 +98,20 @@ def options_payload(opts: VirtualMemoryResourceOptions) -> tuple:
 
 
 def reduce_options(opts: VirtualMemoryResourceOptions) -> tuple:
-    """Reducer for ``VirtualMemoryResourceOptions``: ``(gpu_serde.wire.vmo, (payload,))``."""
+    """Reducer for ``VirtualMemoryResourceOptions``: ``(gpu_serde.wire.vmo, (payload,))``.
+
+    Raises:
+        ValueError, TypeError: as :func:`options_payload`.
+    """
     return (wire.vmo, (options_payload(opts),))
 
 
 def resource_payload(mr: VirtualMemoryResource) -> tuple:
-    """``(1, device payload or None for host memory, options payload)``."""
+    """``(1, device payload or None for host memory, options payload)``.
+
+    Raises:
+        ValueError, TypeError: as :func:`options_payload`.
+    """
     from gpu_serde.reducers import device_payload
 
     dev = device_payload(Device(mr.device.device_id)) if mr.device is not None else None
@@ -112,7 +119,11 @@ def resource_payload(mr: VirtualMemoryResource) -> tuple:
 
 
 def reduce_resource(mr: VirtualMemoryResource) -> tuple:
-    """Reducer for ``VirtualMemoryResource``: ``(gpu_serde.wire.vmm, (payload,))``."""
+    """Reducer for ``VirtualMemoryResource``: ``(gpu_serde.wire.vmm, (payload,))``.
+
+    Raises:
+        ValueError, TypeError: as :func:`options_payload`.
+    """
     return (wire.vmm, (resource_payload(mr),))
 
 
@@ -169,6 +180,8 @@ def rebuild_resource(p: tuple, *, visible_peers_only: bool = False) -> VirtualMe
 
     Raises:
         DeviceNotVisibleError: its GPU, or a peer, is not visible here.
+        HandoffError: host memory, and this process sees no GPU.
+        PayloadError: an option value this cuda.core does not know.
     """
     _, dev_payload, opts = p
     if dev_payload is None:  # host memory: any device carries the context
@@ -243,6 +256,7 @@ def reduce_buffer(buf: Buffer, mr: VirtualMemoryResource) -> tuple:
         NotIPCEnabledError: the resource does not export POSIX descriptors, allocates host
             memory, or the buffer spans several physical allocations.
         ValueError: its options cannot be sent (see :func:`options_payload`).
+        HandoffError: the driver refused to export the allocation.
     """
     if _plain("handle_type", mr.config.handle_type) != "posix_fd" or mr.device is None:
         raise NotIPCEnabledError(

@@ -26,3 +26,27 @@ def test_the_demo_shows_one_uuid_and_skips_the_buffer_step_on_simulated_gpus(eng
     assert out.index("UUID received") < out.index(skipped) < out.index("cannot see it, and says so")
     assert "pattern verified" not in out  # never claims a step it did not run
     assert f"{engine}: the same UUID everywhere; buffer hand-off skipped (simulated GPUs);" in out
+
+
+def test_a_failed_or_wrong_hand_off_is_reported_as_failed_never_as_verified(capsys):
+    from gpu_serde import demo
+
+    def timed_out():
+        raise TimeoutError("no answer in 120 s")
+
+    exporter = {"ordinal": 1, "uuid": "GPU-a", "pattern": b"\x01\x02\x03\x04"}
+    wrong_gpu = {
+        "from": "worker-1",
+        "to": "worker-2",
+        "exporter": exporter,
+        "ordinal": 0,
+        "uuid": "GPU-b",
+        "verified": True,
+        "mapped": True,
+    }
+    hops = [demo._hop("worker-0", timed_out), wrong_gpu]
+    assert demo._handoff(hops) == ""  # the verdict: nothing verified
+    out = capsys.readouterr().out
+    assert "worker-1 -> worker-0: FAILED: TimeoutError: no answer in 120 s" in out
+    assert "FAILED: ANOTHER GPU (GPU-b, sent GPU-a)" in out
+    assert "pattern verified" not in out

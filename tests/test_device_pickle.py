@@ -66,13 +66,15 @@ def test_resolve_passes_real_objects_through(installed):
     assert gpu_serde.resolve(42) == 42
 
 
-def test_the_adapters_installing_again_keep_a_users_strict_mode(simulated_gpus):
-    from gpu_serde import wire
-    from gpu_serde.reducers import ensure_installed
+def test_the_dask_preload_keeps_a_users_strict_mode_and_warns(simulated_gpus, caplog):
+    import gpu_serde.dask
+    from gpu_serde import inventory, wire
 
     gpu_serde.install(strict=True)
     try:
-        ensure_installed()  # what gpu_serde.ray.init and gpu_serde.dask.register call
+        gpu_serde.dask.dask_setup(object())  # as `dask scheduler --preload gpu_serde.dask` calls it
         assert wire.strict is True
+        assert "strict=True under Dask" in caplog.text
     finally:
         gpu_serde.uninstall()
+        inventory.set_role("")

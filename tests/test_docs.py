@@ -5,7 +5,15 @@ import inspect
 
 import pytest
 
-MODULES = ["gpu_serde", "gpu_serde.ray", "gpu_serde.dask", "gpu_serde.testing"]
+MODULES = [
+    "gpu_serde",
+    "gpu_serde.ray",
+    "gpu_serde.dask",
+    "gpu_serde.testing",
+    "gpu_serde.memory",
+    "gpu_serde.vmm",
+    "gpu_serde.fdshare",
+]
 
 
 def public_names(module):

@@ -101,9 +101,9 @@ def in_child(job, holder: list, uuid: str, monkeypatch, then=None) -> tuple[dict
 
 
 @pytest.fixture
-def installed(real_gpu):
+def installed(real_gpu, monkeypatch):
     gpu_serde.install()
-    memory.RELEASE_GRACE_S = 0.5
+    monkeypatch.setattr(memory, "RELEASE_GRACE_S", 0.5)
     Device(0).set_current()
     yield real_gpu
     gpu_serde.uninstall()
@@ -165,6 +165,7 @@ def test_a_vmm_gib_reaches_a_child_and_is_let_go(installed, monkeypatch):
 
 def test_a_vmm_resource_lands_on_the_receivers_ordinal_with_its_peers(installed, monkeypatch):
     mr = VirtualMemoryResource(Device(0), VirtualMemoryResourceOptions(peers=(d for d in [0])))
+    assert b"gpu_serde.wire" in pickle.dumps(mr)  # by UUID (one GPU: the ordinals agree anyway)
     got, _ = in_child(describe_resource, [mr], installed[0].uuid, monkeypatch)
     assert got == {"device": 0, "uuid": Device(0).uuid, "peers": [0]}
 
