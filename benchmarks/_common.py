@@ -72,3 +72,23 @@ def task_table(title: str, t: dict[str, float], target: float = 1.05) -> None:
         if note is None:
             note = f"<= {target}x: {verdict(ratio, target)}"
         print(f"| {name} | {seconds * 1e3:.3f} ms | {ratio:.3f}x | {note} |")
+
+
+def ipc_pool(dev, max_size: int, *, keep: bool = False):
+    """An IPC-enabled DeviceMemoryResource of ``max_size`` bytes; ``keep=True`` sets its release
+    threshold to ``max_size`` (a pool that keeps its freed memory, as a long-running service's
+    would; cuda.core's default, 0, gives freed memory back to the driver at each synchronisation).
+    """
+    from cuda.bindings import driver
+    from cuda.core import DeviceMemoryResource, DeviceMemoryResourceOptions
+
+    mr = DeviceMemoryResource(dev, DeviceMemoryResourceOptions(ipc_enabled=True, max_size=max_size))
+    if keep:
+        (err,) = driver.cuMemPoolSetAttribute(
+            driver.CUmemoryPool(int(mr.handle)),
+            driver.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            driver.cuuint64_t(max_size),
+        )
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuMemPoolSetAttribute(RELEASE_THRESHOLD) failed: {err}")
+    return mr

@@ -5,7 +5,8 @@
 A spawned receiver unpickles each payload itself, so the phases are timed apart: the sender's
 pickle (cuda.core's export of the pointer, the broker's hold), the receiver's unpickle (a
 round trip to the exporter's broker, then the driver's import and mapping), a first read on the
-GPU, and the receiver's close (the driver's unmapping, with a device sync). The bare broker round
+GPU, and the receiver's close (the free queued on its stream; the driver unmaps lazily, and
+gpu_serde's release thread tells the exporter once the free has completed). The bare broker round
 trip (acquire + release, same process) is printed first as the baseline of the fixed cost. A task
 round trip on Ray pays the close too when Ray drops the argument before it answers.
 """
@@ -38,8 +39,7 @@ def receiver(inbox, outbox) -> None:
         t1 = time.perf_counter()
         int(cp.from_dlpack(buf)[:1].get()[0])
         t2 = time.perf_counter()
-        buf.close()
-        Device(0).sync()
+        buf.close()  # queues the free; gpu_serde's release thread waits for it on the GPU
         t3 = time.perf_counter()
         outbox.put((t1 - t0, t2 - t1, t3 - t2))
         del buf
@@ -77,7 +77,7 @@ def main() -> None:
         assert outbox.get(timeout=300) == "ready"
         print(f"# GPU buffer hand-off by phase ({dev.name}; {machine()})")
         print(f"broker round trip (acquire + release): {broker_round_trip() * 1e3:.3f} ms\n")
-        print("| size | pickle | unpickle (broker + map) | first read | close (unmap) | total |")
+        print("| size | pickle | unpickle (broker + map) | first read | close | total |")
         print("|---|---|---|---|---|---|")
         for label, size in SIZES:
             mr = DeviceMemoryResource(

@@ -7,8 +7,10 @@ The time runs from the sender's call to the receiver holding the data: the recei
 it has mapped the buffer and read from it on the GPU (sender and receiver share the host's clock).
 gpu_serde and cuda.core send the buffer on a ``multiprocessing.Queue`` to a warm spawned child
 (the first hand-off of a pool, which imports it, is timed apart); "host copy" copies the buffer to
-pinned host memory and back to a new device buffer in one process. Target (issue 5): flat in size,
-<= 2 ms at 1 GiB, >= 100x faster than the copy at 1 GiB.
+pinned host memory and back to a new device buffer in one process. Each path runs with a pool at
+cuda.core's default release threshold (0: freed memory goes back to the driver, so each buffer is
+new memory to map) and with a pool that keeps its memory (threshold = its size). Target (issue
+5): flat in size, <= 2 ms at 1 GiB, >= 100x faster than the copy at 1 GiB.
 """
 
 from __future__ import annotations
@@ -18,10 +20,16 @@ import statistics
 import sys
 import time
 
-from _common import machine
+from _common import ipc_pool, machine
 
 SIZES = [("1 MiB", 1 << 20), ("64 MiB", 64 << 20), ("1 GiB", 1 << 30), ("4 GiB", 4 << 30)]
 REPEATS = 5
+PATHS = [  # (name, gpu_serde installed, the pool keeps its freed memory)
+    ("gpu_serde", True, False),
+    ("cuda.core", False, False),
+    ("gpu_serde kept", True, True),
+    ("cuda.core kept", False, True),
+]
 
 
 def receiver(inbox, outbox) -> None:
@@ -85,7 +93,7 @@ def host_copy(dev, size: int) -> list[float]:
 
 
 def main() -> None:
-    from cuda.core import Device, DeviceMemoryResource, DeviceMemoryResourceOptions
+    from cuda.core import Device
 
     import gpu_serde
     from gpu_serde import memory
@@ -97,11 +105,9 @@ def main() -> None:
     rows = []
     for label, size in SIZES:
         row = {"size": label}
-        for name, install in (("gpu_serde", True), ("cuda.core", False)):
+        for name, install, keep in PATHS:
             # a new pool and a new child per size and path: each first hand-off imports the pool
-            mr = DeviceMemoryResource(
-                dev, DeviceMemoryResourceOptions(ipc_enabled=True, max_size=(REPEATS + 2) * size)
-            )
+            mr = ipc_pool(dev, (REPEATS + 2) * size, keep=keep)
             inbox, outbox = ctx.Queue(), ctx.Queue()
             child = ctx.Process(target=receiver, args=(inbox, outbox))
             gpu_serde.install()
@@ -125,14 +131,16 @@ def main() -> None:
     print(f"buffers still held for importers after the run: {broker().held()}", file=sys.stderr)
     print(f"# GPU buffer hand-off to another process ({dev.name}; {machine()})")
     print(
-        "| size | gpu_serde | cuda.core mp | host copy | copy / gpu_serde | first (pool import) |"
+        "| size | gpu_serde | cuda.core mp | gpu_serde, pool keeps memory | cuda.core mp, pool "
+        "keeps memory | host copy | copy / gpu_serde | first (pool import) |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = r["host copy"] / r["gpu_serde"]
+        cells = " | ".join(f"{r[name] * 1e3:.2f} ms" for name, _, _ in PATHS)
         print(
-            f"| {r['size']} | {r['gpu_serde'] * 1e3:.2f} ms | {r['cuda.core'] * 1e3:.2f} ms | "
-            f"{r['host copy'] * 1e3:.1f} ms | {ratio:.0f}x | {r['gpu_serde first'] * 1e3:.1f} ms |"
+            f"| {r['size']} | {cells} | {r['host copy'] * 1e3:.1f} ms | {ratio:.0f}x | "
+            f"{r['gpu_serde first'] * 1e3:.1f} ms |"
         )
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import multiprocessing.util
 import os
 import queue
@@ -25,11 +26,14 @@ import time
 import uuid as _uuid
 import weakref
 
+from cuda.bindings import driver
 from cuda.core import (
     Buffer,
     Device,
     DeviceMemoryResource,
+    MemoryResource,
     PinnedMemoryResource,
+    Stream,
     VirtualMemoryResource,
 )
 
@@ -230,20 +234,26 @@ def reduce_buffer(buf: Buffer) -> tuple:
     return (wire.buf, (sent,))
 
 
-# Releases: a finalizer only puts on a queue (it may run inside garbage collection, in any
-# thread, so it takes no lock and does no I/O); one worker thread tells the exporters.
+# Releases: a buffer's free (or finalizer) only puts on a queue (it may run inside garbage
+# collection, in any thread, so it takes no lock and does no I/O); one worker thread waits for the
+# free to complete and tells the exporters.
 _releases: queue.SimpleQueue = queue.SimpleQueue()
 _live: dict[int, tuple[str, bytes, int]] = {}  # id(imported buffer) -> (address, token, device)
 _sending = threading.Lock()  # held by the worker while it tells one exporter
 
 
-def _tell(address: str, token: bytes, device: int) -> None:
+def _tell(event: object, address: str, token: bytes, device: int) -> None:
+    """Tell the exporter once this process's free of the buffer has completed on the GPU (CUDA's
+    rule for imported pool memory: the importer's free completes before the exporter's)."""
     try:
-        # the finalizer ran just before the importer's Buffer queued its free: let that happen,
-        # then wait for the device, so the exporter frees only after the mapping is gone
-        time.sleep(0.01)
-        Device(device).set_current()
-        Device(device).sync()
+        if event is not None:
+            event.sync()  # the event follows the free on its stream
+        else:
+            # a finalizer ran just before its Buffer queued the free, on a stream not known
+            # here: let that happen, then wait for the whole device
+            time.sleep(0.01)
+            Device(device).set_current()
+            Device(device).sync()
     except Exception:  # the release below matters more than the wait
         pass
     fdshare.release(address, token)
@@ -263,11 +273,16 @@ def _start_release_worker() -> None:
 _start_release_worker()
 
 
-def _forget(key: int) -> None:
+def _forget(key: int, release: bool = True) -> None:
     _origin.pop(key, None)
+    if release:
+        _queue_release(key, None)
+
+
+def _queue_release(key: int, event: object) -> None:
     item = _live.pop(key, None)
     if item is not None:
-        _releases.put(item)
+        _releases.put((event, *item))
 
 
 def _release_all_at_exit() -> None:
@@ -288,7 +303,7 @@ def _flush_all() -> None:
             items.append(_releases.get_nowait())
         except queue.Empty:
             break
-    for address, token, _ in items:
+    for *_, address, token, _ in items:  # (address, token, device), with an event if queued
         with contextlib.suppress(Exception):
             fdshare.release(address, token, timeout=0.5)
 
@@ -322,6 +337,79 @@ multiprocessing.util.register_after_fork(
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+class ImportedMemory(MemoryResource):
+    """The memory resource of a buffer received from another process's pool
+    (``buf.memory_resource`` on the receiver).
+
+    It reads like the imported pool (:attr:`pool`, ``device_id``, accessibility). Closing the
+    buffer (or its collection) frees the mapping on the stream cuda.core passes (the stream
+    given to ``Buffer.close``, else the buffer's deallocation stream), records an event after the
+    free, and tells the exporter once that event has completed: the driver keeps the mapping
+    cached, so the next buffer from the same pool memory maps at no cost. It cannot allocate.
+    """
+
+    def __init__(self, owner: Buffer, pool: Pool, stream: Stream, key: int) -> None:
+        self._owner: Buffer | None = owner
+        self._stream = stream
+        self._key = key
+        self.pool = pool  #: the imported pool the buffer was mapped from
+
+    def allocate(self, size: int, stream: Stream | None = None) -> Buffer:
+        """Refused: imported memory belongs to the exporter.
+
+        Raises:
+            TypeError: always; allocate in the exporting process, from its pool.
+        """
+        raise TypeError(
+            "a buffer received from another process cannot allocate more memory: allocate "
+            "from the pool in the exporting process and send the buffer"
+        )
+
+    def deallocate(self, ptr: int, size: int, stream: Stream | None = None) -> None:
+        """Free the mapping on ``stream`` (or the buffer's own) and queue the exporter's release
+        behind an event on it. Never raises (it may run during garbage collection)."""
+        owner, self._owner = self._owner, None
+        if owner is None:
+            return
+        event = None
+        try:
+            s = stream if stream is not None else self._stream
+            prev = driver.cuCtxGetCurrent()[1]
+            try:
+                Device(self._stream.device.device_id).set_current()
+                owner.close(s)
+                if isinstance(s, Stream):
+                    event = s.record()
+            finally:
+                driver.cuCtxSetCurrent(prev)
+        except Exception:
+            if owner.handle:  # not freed yet: free it on the buffer's own stream
+                with contextlib.suppress(Exception):
+                    owner.close()
+            event = None  # the worker waits for the whole device instead
+        _queue_release(self._key, event)
+
+    @property
+    def device_id(self) -> int:
+        return self.pool.device_id
+
+    @property
+    def is_device_accessible(self) -> bool:
+        return self.pool.is_device_accessible
+
+    @property
+    def is_host_accessible(self) -> bool:
+        return self.pool.is_host_accessible
+
+    @property
+    def is_mapped(self) -> bool:
+        """True: the memory is mapped from another process."""
+        return True
+
+    def __repr__(self) -> str:
+        return f"<ImportedMemory of {self.pool!r}>"
+
+
 def rebuild_buffer(p: tuple) -> Buffer | wire.UnresolvedObject:
     """Reconstructor body of :func:`gpu_serde.wire.buf` (payload already validated)."""
     _, pool_payload, reserved, size, token = p
@@ -334,22 +422,37 @@ def rebuild_buffer(p: tuple) -> Buffer | wire.UnresolvedObject:
         if held is not None:
             return held  # back in the exporting process: the original buffer
         fdshare.acquire(address, token)
+        key = -next(_keys)  # negative: never an id(), the keys of VMM imports in _live
+        _live[key] = (address, token, -1)
+        imported = None
         try:
             from cuda.core._memory._ipc import IPCBufferDescriptor  # not public in cuda.core 1.2
 
             dev = Device(mr.device_id) if mr.device_id >= 0 else any_device()
             dev.set_current()
             desc = IPCBufferDescriptor._init(reserved, size)
-            buf = Buffer.from_ipc_descriptor(mr, desc, stream=dev.default_stream)
+            stream = dev.default_stream
+            owner = Buffer.from_ipc_descriptor(mr, desc, stream=stream)
+            _live[key] = (address, token, dev.device_id)
+            imported = ImportedMemory(owner, mr, stream, key)
+            buf = Buffer.from_handle(int(owner.handle), size, mr=imported)
         except Exception as exc:
-            fdshare.release(address, token)
+            if imported is not None:
+                imported.deallocate(0, size)  # frees the mapping, queues the release
+            else:
+                _live.pop(key, None)
+                fdshare.release(address, token)
             raise HandoffError(f"mapping the exported buffer failed: {exc}") from exc
     except (HandoffError, DeviceNotVisibleError) as exc:
         if wire.strict:
             raise
         return wire.UnresolvedObject("Buffer", wire.buf, p, exc)
-    track_import(buf, (wire.buf, (p,)), address, token, dev.device_id)
+    _origin[id(buf)] = (wire.buf, (p,))
+    weakref.finalize(buf, _forget, id(buf), False)  # ImportedMemory releases it
     return buf
+
+
+_keys = itertools.count(1)  # keys of imported pool buffers (ImportedMemory) in _live
 
 
 def track_import(buf: Buffer, reduced: tuple, address: str, token: bytes, device: int) -> None:
