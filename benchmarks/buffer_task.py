@@ -13,8 +13,10 @@ local cluster of one worker process. The receiver reads the first byte on the GP
   hand-off of a pool, which imports the pool in the receiver, is timed apart as "first"), with
   cuda.core's default release threshold (0): freed memory goes back to the driver, and each
   buffer is new memory for the receiver to map.
-- gpu_serde, pool keeps memory: the same from a pool whose release threshold is its size; a
-  buffer reuses memory the receiver has mapped before, which the driver maps again at no cost.
+- gpu_serde, pool keeps memory: the same from a pool whose release threshold is its size, as a
+  steady stream (alternating with empty tasks only, timed apart from the other cases): each
+  buffer reuses memory the receiver mapped before, which the driver maps again at no cost as long
+  as the receiver has not synchronised since it freed it (a host copy's read would).
 - host copy: what a user does without gpu_serde: the sender copies the buffer into a pinned NumPy
   array (allocated once) and sends that; the receiver copies it into a new CuPy array.
 - empty task: the same call with the int 0, the engine's own overhead.
@@ -153,13 +155,11 @@ def one_size(size: int, send: Send, collect: Callable[[], None]) -> dict[str, fl
     fresh(kept)
     with_gpu_serde_kept()  # imports the second pool
     with_host_copy()  # warms the receiver's CuPy pool and the engine's path for large arguments
-    cases = {
-        "empty task": empty_task,
-        "gpu_serde": with_gpu_serde,
-        "gpu_serde kept": with_gpu_serde_kept,
-        "host copy": with_host_copy,
-    }
+    cases = {"empty task": empty_task, "gpu_serde": with_gpu_serde, "host copy": with_host_copy}
     t = interleaved(cases, rounds=ROUNDS, per_round=1)
+    # a steady stream of hand-offs: nothing else synchronises the receiver in between
+    steady = {"empty task 2": empty_task, "gpu_serde kept": with_gpu_serde_kept}
+    t.update(interleaved(steady, rounds=ROUNDS, per_round=1))
     wait_freed(mr, collect)
     wait_freed(kept, collect)
     return {**t, "first": first}

@@ -259,11 +259,38 @@ def _tell(event: object, address: str, token: bytes, device: int) -> None:
     fdshare.release(address, token)
 
 
+#: Seconds without a release after which an importer unmaps the memory it has freed. The driver
+#: unmaps freed imported memory lazily, at this process's next synchronisation (any stream): until
+#: then, a buffer sent again from the same pool memory maps at no cost; after it, the unmapping
+#: would fall on the user's next synchronisation, so the release thread does it in the background
+#: on a stream of its own (which waits for no one's work).
+UNMAP_AFTER_S = 0.05
+_unmap_streams: dict[int, object] = {}  # device ordinal -> the release thread's idle stream
+
+
+def _unmap(devices: set[int]) -> None:
+    for ordinal in devices:
+        with contextlib.suppress(Exception):
+            Device(ordinal).set_current()
+            stream = _unmap_streams.get(ordinal)
+            if stream is None:
+                stream = _unmap_streams[ordinal] = Device(ordinal).create_stream()
+            stream.sync()  # nothing runs on it: it only lets the driver unmap what was freed
+
+
 def _release_worker() -> None:
+    freed: set[int] = set()  # devices with freed imported memory the driver may still map
     while True:
-        item = _releases.get()
+        try:
+            item = _releases.get(timeout=UNMAP_AFTER_S if freed else None)
+        except queue.Empty:
+            _unmap(freed)
+            freed.clear()
+            continue
         with _sending, contextlib.suppress(Exception):  # a dead worker would stop all releases
             _tell(*item)
+        if item[0] is not None and item[3] >= 0:
+            freed.add(item[3])
 
 
 def _start_release_worker() -> None:
@@ -314,6 +341,7 @@ def _after_fork_in_child() -> None:
     global _sending, _lock
     _live.clear()
     _origin.clear()
+    _unmap_streams.clear()
     with contextlib.suppress(queue.Empty):
         while True:
             _releases.get_nowait()
