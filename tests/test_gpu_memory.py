@@ -54,6 +54,23 @@ def check_in_queue(inbox, outbox) -> None:
     outbox.put(check(inbox.get(timeout=120)))
 
 
+def close_on_own_stream(inbox, outbox) -> None:
+    """Runs in the receiver: use the buffer on a stream of its own, close it on that stream and
+    keep the closed object until told to exit."""
+    import cupy as cp
+
+    buf = inbox.get(timeout=120)
+    stream = Device(buf.device_id).create_stream()
+    with cp.cuda.ExternalStream(int(stream.handle)):
+        words = cp.from_dlpack(buf).view(cp.uint32)
+        total = int(words[:1024].sum())  # waits for the read
+    del words
+    mr = buf.memory_resource
+    buf.close(stream)  # the free follows the work on that stream
+    outbox.put({"total": total, "resource": type(mr).__name__, "pool": type(mr.pool).__name__})
+    inbox.get(timeout=120)  # the closed Buffer object lives until the test is done
+
+
 @pytest.fixture(scope="module")
 def pool(real_gpu):
     gpu_serde.install()
@@ -190,3 +207,30 @@ def test_a_dask_worker_hands_a_gib_to_another(pool, real_gpu):
         made = client.submit(make, workers=[by_name["a"]], pure=False)
         got = client.submit(check, made, workers=[by_name["b"]], pure=False).result(timeout=300)
         assert got["ok"] and got["size"] == GiB
+
+
+def test_a_receiver_that_closes_a_buffer_on_its_stream_releases_it_while_the_object_lives(
+    pool, real_gpu
+):
+    baseline = pool.attributes.used_mem_current
+    buf = pool.allocate(GiB, stream=Device(0).default_stream)
+    fill(buf)
+    ctx = multiprocessing.get_context("spawn")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=close_on_own_stream, args=(inbox, outbox))
+    child.start()
+    try:
+        inbox.put(buf)
+        del buf
+        got = outbox.get(timeout=120)
+        assert got == {
+            "total": sum(range(1024)),
+            "resource": "ImportedMemory",
+            "pool": "DeviceMemoryResource",
+        }
+        # released on close, not at collection or exit: the child still holds the closed object
+        assert wait_for_used(pool, baseline) == baseline
+        assert child.is_alive()
+    finally:
+        inbox.put("done")
+        child.join(60)
