@@ -48,6 +48,7 @@ def receiver(inbox, outbox) -> None:
         buf = gpu_serde.resolve(item)
         first = int(cp.from_dlpack(buf)[:1].get()[0])  # read it on the GPU
         outbox.put((time.time(), first))
+        buf.close()  # both paths: done with it
         del buf, item
 
 

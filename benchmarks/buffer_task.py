@@ -7,7 +7,8 @@ Each case is one round trip from the sending process, which exports the memory (
 the Dask client): ``ray.get(receiver.consume.remote(arg))`` on a long-lived Ray actor with
 ``num_gpus=0.5`` (an actor method call: Ray serializes its arguments as a task's, and one warm
 process receives every argument), and ``client.submit(consume, arg, pure=False).result()`` on a
-local cluster of one worker process. The receiver reads the first byte on the GPU and returns it.
+local cluster of one worker process. The receiver reads the first byte on the GPU and returns it
+(and closes a received Buffer, as docs/memory.md advises).
 
 - gpu_serde: ``arg`` is a fresh Buffer from an IPC-enabled pool (a new pool per size; the first
   hand-off of a pool, which imports the pool in the receiver, is timed apart as "first"), with
@@ -68,10 +69,11 @@ def consume(arg: Any) -> int:
     import gpu_serde
 
     if isinstance(arg, np.ndarray):
-        data = cp.asarray(arg)  # host copy: into a new device buffer
-    else:
-        data = cp.from_dlpack(gpu_serde.resolve(arg))  # gpu_serde: the exporter's memory
-    return int(data[:1].get()[0])  # waits for the copy, if any
+        return int(cp.asarray(arg)[:1].get()[0])  # host copy: into a new device buffer
+    buf = gpu_serde.resolve(arg)  # gpu_serde: the exporter's memory
+    first = int(cp.from_dlpack(buf)[:1].get()[0])
+    buf.close()  # done with it: the exporter gets it back without waiting for the whole device
+    return first
 
 
 class Receiver:

@@ -31,6 +31,7 @@ from cuda.core import (
     Buffer,
     Device,
     DeviceMemoryResource,
+    EventOptions,
     MemoryResource,
     PinnedMemoryResource,
     Stream,
@@ -242,20 +243,23 @@ _live: dict[int, tuple[str, bytes, int]] = {}  # id(imported buffer) -> (address
 _sending = threading.Lock()  # held by the worker while it tells one exporter
 
 
+_WHOLE_DEVICE = "device"  # release after the whole device is idle (the free is queued)
+
+
 def _tell(event: object, address: str, token: bytes, device: int) -> None:
     """Tell the exporter once this process's free of the buffer has completed on the GPU (CUDA's
     rule for imported pool memory: the importer's free completes before the exporter's)."""
     try:
-        if event is not None:
-            event.sync()  # the event follows the free on its stream
-        else:
-            # a finalizer ran just before its Buffer queued the free, on a stream not known
-            # here: let that happen, then wait for the whole device
+        if event is None:
+            # a finalizer ran just before its Buffer queued the free: let that happen
             time.sleep(0.01)
+        if event is None or event is _WHOLE_DEVICE:
+            raise LookupError  # no stream says when the work on it is done: the whole device
+        event.sync()  # the event follows the free on the stream that was named
+    except Exception:
+        with contextlib.suppress(Exception):
             Device(device).set_current()
             Device(device).sync()
-    except Exception:  # the release below matters more than the wait
-        pass
     fdshare.release(address, token)
 
 
@@ -289,7 +293,7 @@ def _release_worker() -> None:
             continue
         with _sending, contextlib.suppress(Exception):  # a dead worker would stop all releases
             _tell(*item)
-        if item[0] is not None and item[3] >= 0:
+        if item[0] is not None and item[0] is not _WHOLE_DEVICE and item[3] >= 0:
             freed.add(item[3])
 
 
@@ -323,14 +327,19 @@ def _release_all_at_exit() -> None:
 
 
 def _flush_all() -> None:
-    items = list(_live.values())
-    _live.clear()
+    items = []
+    while _live:  # popitem: a free in another thread cannot queue an entry taken here too
+        with contextlib.suppress(KeyError):
+            items.append((None, *_live.popitem()[1]))
     while True:
         try:
             items.append(_releases.get_nowait())
         except queue.Empty:
             break
-    for *_, address, token, _ in items:  # (address, token, device), with an event if queued
+    for event, address, token, _ in items:
+        with contextlib.suppress(Exception):
+            if event is not None and event is not _WHOLE_DEVICE:
+                event.sync()  # a buffer closed on a stream just before exit
         with contextlib.suppress(Exception):
             fdshare.release(address, token, timeout=0.5)
 
@@ -369,17 +378,22 @@ class ImportedMemory(MemoryResource):
     """The memory resource of a buffer received from another process's pool
     (``buf.memory_resource`` on the receiver).
 
-    It reads like the imported pool (:attr:`pool`, ``device_id``, accessibility). Closing the
-    buffer (or its collection) frees the mapping on the stream cuda.core passes (the stream
-    given to ``Buffer.close``, else the buffer's deallocation stream), records an event after the
-    free, and tells the exporter once that event has completed: the driver keeps the mapping
-    cached, so the next buffer from the same pool memory maps at no cost. It cannot allocate.
+    It reads like the imported pool (:attr:`pool`, ``device_id``, accessibility) and cannot
+    allocate. Freeing the buffer tells the exporter, which may then free and reuse the memory:
+
+    - ``buf.close(stream)`` (or ``buf.close()``: the device's default stream) frees the mapping on
+      that stream, and the exporter is told once an event after the free has completed. Work on
+      the buffer must be ordered before that stream, as for any cuda.core buffer. The driver keeps
+      the mapping cached, so a later buffer in the same pool memory maps at almost no cost.
+    - A buffer collected without ``close`` is freed on the default stream, and the exporter is
+      told only once the whole device is idle (nobody said which stream used it last).
     """
 
-    def __init__(self, owner: Buffer, pool: Pool, stream: Stream, key: int) -> None:
+    def __init__(self, owner: Buffer, pool: Pool, device: int, key: int) -> None:
         self._owner: Buffer | None = owner
-        self._stream = stream
+        self._device = device
         self._key = key
+        self._user: weakref.ref | None = None  # the Buffer handed out, once made
         self.pool = pool  #: the imported pool the buffer was mapped from
 
     def allocate(self, size: int, stream: Stream | None = None) -> Buffer:
@@ -394,27 +408,31 @@ class ImportedMemory(MemoryResource):
         )
 
     def deallocate(self, ptr: int, size: int, stream: Stream | None = None) -> None:
-        """Free the mapping on ``stream`` (or the buffer's own) and queue the exporter's release
-        behind an event on it. Never raises (it may run during garbage collection)."""
+        """Free the mapping on ``stream`` (else the device's default stream) and queue the
+        exporter's release. Never raises (it may run during garbage collection, in any thread).
+        """
         owner, self._owner = self._owner, None
         if owner is None:
             return
-        event = None
-        try:
-            s = stream if stream is not None else self._stream
+        # during collection the Buffer's weak references are already dead: an explicit close
+        # keeps it alive
+        closed = self._user is not None and self._user() is not None
+        event: object = _WHOLE_DEVICE
+        with contextlib.suppress(Exception):
             prev = driver.cuCtxGetCurrent()[1]
             try:
-                Device(self._stream.device.device_id).set_current()
-                owner.close(s)
-                if isinstance(s, Stream):
-                    event = s.record()
+                dev = Device(self._device)
+                dev.set_current()
+                try:
+                    s = stream if stream is not None else dev.default_stream
+                    owner.close(s)
+                    if closed and isinstance(s, Stream):
+                        event = s.record(options=EventOptions(blocking_sync=True))
+                except Exception:
+                    if owner.handle:  # not freed yet: free it on the default stream
+                        owner.close(dev.default_stream)
             finally:
                 driver.cuCtxSetCurrent(prev)
-        except Exception:
-            if owner.handle:  # not freed yet: free it on the buffer's own stream
-                with contextlib.suppress(Exception):
-                    owner.close()
-            event = None  # the worker waits for the whole device instead
         _queue_release(self._key, event)
 
     @property
@@ -459,11 +477,11 @@ def rebuild_buffer(p: tuple) -> Buffer | wire.UnresolvedObject:
             dev = Device(mr.device_id) if mr.device_id >= 0 else any_device()
             dev.set_current()
             desc = IPCBufferDescriptor._init(reserved, size)
-            stream = dev.default_stream
-            owner = Buffer.from_ipc_descriptor(mr, desc, stream=stream)
+            owner = Buffer.from_ipc_descriptor(mr, desc, stream=dev.default_stream)
             _live[key] = (address, token, dev.device_id)
-            imported = ImportedMemory(owner, mr, stream, key)
+            imported = ImportedMemory(owner, mr, dev.device_id, key)
             buf = Buffer.from_handle(int(owner.handle), size, mr=imported)
+            imported._user = weakref.ref(buf)
         except Exception as exc:
             if imported is not None:
                 imported.deallocate(0, size)  # frees the mapping, queues the release
