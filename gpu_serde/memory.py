@@ -206,10 +206,13 @@ def reduce_buffer(buf: Buffer) -> tuple:
     importers.
 
     Raises:
+        HandoffError: the buffer is closed.
         NotIPCEnabledError: the buffer does not come from an IPC-enabled pool
             (``DeviceMemoryResource``, ``PinnedMemoryResource``) or a ``VirtualMemoryResource``
             that exports POSIX descriptors.
     """
+    if not buf.handle:  # a received one would forward a token its exporter may have let go
+        raise HandoffError(f"{buf!r} is closed: a closed buffer cannot be sent")
     origin = _origin.get(id(buf))
     if origin is not None:
         return origin
