@@ -140,7 +140,8 @@ def main() -> None:
         ratio = r["host copy"] / r["gpu_serde"]
         cells = " | ".join(f"{r[name] * 1e3:.2f} ms" for name, _, _ in PATHS)
         print(
-            f"| {r['size']} | {cells} | {r['host copy'] * 1e3:.1f} ms | {ratio:.0f}x | "
+            f"| {r['size']} | {cells} | {r['host copy'] * 1e3:.1f} ms | "
+            f"{f'{ratio:.1f}' if ratio < 10 else f'{ratio:.0f}'}x | "
             f"{r['gpu_serde first'] * 1e3:.1f} ms |"
         )
 

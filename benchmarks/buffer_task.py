@@ -1,7 +1,10 @@
 """GPU buffer as a Ray and a Dask task argument: gpu_serde vs a copy through host memory, at
 1 MiB, 64 MiB, 1 GiB and 4 GiB, from one run (needs a real GPU, CuPy, Ray and distributed).
 
-    python benchmarks/buffer_task.py [--engine ray|dask|both]
+    python benchmarks/buffer_task.py [--engine ray|dask|both|all]
+
+(``all``, the default, then runs ``buffer_handoff.py``'s comparison with cuda.core's own
+multiprocessing path, so that every baseline comes from the same run.)
 
 Each case is one round trip from the sending process, which exports the memory (the Ray driver,
 the Dask client): ``ray.get(receiver.consume.remote(arg))`` on a long-lived Ray actor with
@@ -298,7 +301,13 @@ def table(title: str, rows: list[dict[str, Any]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--engine", choices=["ray", "dask", "both"], default="both")
+    parser.add_argument(
+        "--engine",
+        choices=["ray", "dask", "both", "all"],
+        default="all",
+        help="all (default): Ray, Dask, then buffer_handoff.py's multiprocessing comparison with "
+        "cuda.core's own path, in this same run",
+    )
     engines = parser.parse_args().engine
     from gpu_serde.inventory import inventory
 
@@ -319,15 +328,19 @@ def main() -> None:
     dev = Device(0)
     dev.set_current()
     results = []
-    if engines in ("ray", "both"):
+    if engines in ("ray", "both", "all"):
         results.append(run_ray())
-    if engines in ("dask", "both"):
+    if engines in ("dask", "both", "all"):
         results.append(run_dask())
     from gpu_serde.fdshare import broker
 
     print(f"buffers still held for importers after the run: {broker().held()}", file=sys.stderr)
     for title, rows in results:
         table(f"GPU buffer as a {title} ({dev.name}; {machine()})", rows)
+    if engines == "all":
+        import buffer_handoff
+
+        buffer_handoff.main()  # the same sizes over multiprocessing, against cuda.core's own path
 
 
 if __name__ == "__main__":
