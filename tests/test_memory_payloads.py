@@ -262,12 +262,11 @@ def test_a_fork_started_multiprocessing_child_releases_at_exit():
         b.close()
 
 
-def test_a_closed_buffer_fails_at_pickling_and_says_it_is_closed(simulated_gpus):
+def test_a_closed_buffer_fails_at_pickling_and_says_it_is_closed(installed):
     from cuda.core import Buffer
 
     from gpu_serde import HandoffError, NotIPCEnabledError
 
-    gpu_serde.install()
     buffer = Buffer.from_handle(0x1000, 64, mr=None)
     with pytest.raises(NotIPCEnabledError):  # open: refused for what it is
         pickle.dumps(buffer)
