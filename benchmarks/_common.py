@@ -53,6 +53,11 @@ def interleaved(
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
+def times(ratio: float) -> str:
+    """A ratio as printed in the tables: one decimal below 10x."""
+    return f"{ratio:.1f}x" if ratio < 10 else f"{ratio:.0f}x"
+
+
 def verdict(ratio: float, target: float) -> str:
     return "meets target" if ratio <= target else "MISSES target"
 

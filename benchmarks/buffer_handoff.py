@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 
-from _common import ipc_pool, machine
+from _common import ipc_pool, machine, times
 
 SIZES = [("1 MiB", 1 << 20), ("64 MiB", 64 << 20), ("1 GiB", 1 << 30), ("4 GiB", 4 << 30)]
 REPEATS = 5
@@ -57,7 +57,7 @@ def handoffs(mr, dev, size: int, install: bool, inbox, outbox) -> tuple[float, l
 
     (gpu_serde.install if install else gpu_serde.uninstall)()
     assert outbox.get(timeout=300) == "ready"
-    times = []
+    took = []
     for _ in range(REPEATS + 1):
         deadline = time.monotonic() + 5
         while mr.attributes.used_mem_current and time.monotonic() < deadline:
@@ -69,9 +69,9 @@ def handoffs(mr, dev, size: int, install: bool, inbox, outbox) -> tuple[float, l
         inbox.put(buf)
         t1, first = outbox.get(timeout=300)
         assert first == 7
-        times.append(t1 - t0)
+        took.append(t1 - t0)
         del buf
-    return times[0], times[1:]  # the first one imports the pool
+    return took[0], took[1:]  # the first one imports the pool
 
 
 def host_copy(dev, size: int) -> list[float]:
@@ -79,7 +79,7 @@ def host_copy(dev, size: int) -> list[float]:
 
     pinned = LegacyPinnedMemoryResource()
     src = dev.allocate(size, stream=dev.default_stream)
-    times = []
+    took = []
     for _ in range(REPEATS):
         t0 = time.time()
         host = pinned.allocate(size, stream=dev.default_stream)
@@ -87,10 +87,10 @@ def host_copy(dev, size: int) -> list[float]:
         dst = dev.allocate(size, stream=dev.default_stream)
         host.copy_to(dst, stream=dev.default_stream)
         dev.default_stream.sync()
-        times.append(time.time() - t0)
+        took.append(time.time() - t0)
         host.close()
         dst.close()
-    return times
+    return took
 
 
 def main() -> None:
@@ -140,8 +140,7 @@ def main() -> None:
         ratio = r["host copy"] / r["gpu_serde"]
         cells = " | ".join(f"{r[name] * 1e3:.2f} ms" for name, _, _ in PATHS)
         print(
-            f"| {r['size']} | {cells} | {r['host copy'] * 1e3:.1f} ms | "
-            f"{f'{ratio:.1f}' if ratio < 10 else f'{ratio:.0f}'}x | "
+            f"| {r['size']} | {cells} | {r['host copy'] * 1e3:.1f} ms | {times(ratio)} | "
             f"{r['gpu_serde first'] * 1e3:.1f} ms |"
         )
 

@@ -212,7 +212,9 @@ def reduce_buffer(buf: Buffer) -> tuple:
             that exports POSIX descriptors.
     """
     if not buf.handle:  # a received one would forward a token its exporter may have let go
-        raise HandoffError(f"{buf!r} is closed: a closed buffer cannot be sent")
+        raise HandoffError(
+            "this Buffer is closed: a closed buffer cannot be sent; send it before you close it"
+        )
     origin = _origin.get(id(buf))
     if origin is not None:
         return origin
