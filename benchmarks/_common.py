@@ -35,14 +35,17 @@ def machine() -> str:
     )
 
 
-def interleaved(
-    cases: dict[str, Callable[[], None]], *, rounds: int, per_round: int
-) -> dict[str, float]:
-    """Median seconds per call of each case; the cases alternate round by round so that machine
-    noise falls on all of them alike. A case may have a ``setup`` attribute run before its round."""
+def interleaved_samples(
+    cases: dict[str, Callable[[], None]], *, rounds: int, per_round: int, alternate: bool = False
+) -> dict[str, list[float]]:
+    """Seconds per call of each case, one sample per round; the cases alternate round by round so
+    that machine noise falls on all of them alike (``alternate``: in reverse order every other
+    round, so that no case always follows the same one). A case may have a ``setup`` attribute
+    run before its round."""
     samples: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(rounds):
-        for name, fn in cases.items():
+    for r in range(rounds):
+        order = list(cases.items())
+        for name, fn in order[::-1] if alternate and r % 2 else order:
             setup = getattr(fn, "setup", None)
             if setup:
                 setup()
@@ -50,7 +53,21 @@ def interleaved(
             for _ in range(per_round):
                 fn()
             samples[name].append((time.perf_counter() - start) / per_round)
+    return samples
+
+
+def interleaved(
+    cases: dict[str, Callable[[], None]], *, rounds: int, per_round: int, alternate: bool = False
+) -> dict[str, float]:
+    """Median seconds per call of each case, run as :func:`interleaved_samples` runs them."""
+    samples = interleaved_samples(cases, rounds=rounds, per_round=per_round, alternate=alternate)
     return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def paired(samples: dict[str, list[float]], case: str, baseline: str) -> float:
+    """The median over rounds of ``case`` minus ``baseline`` in the same round: what ``case``
+    adds, with the drift between rounds taken out."""
+    return statistics.median(c - b for c, b in zip(samples[case], samples[baseline], strict=True))
 
 
 def times(ratio: float) -> str:

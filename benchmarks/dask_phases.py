@@ -3,14 +3,14 @@
 
     python benchmarks/dask_phases.py
 
-One worker process of a LocalCluster whose scheduler runs in the client's (the exporter's)
-process. A 1 MiB Buffer from a pool that keeps its memory, or the int 0, goes to a task that
-reads the buffer's first byte and closes it. Each case runs right after the same preparation
-(the wait for the last release, a buffer filled on the GPU), either back to back or after 100 ms
-of quiet: Dask's own round trip depends on what ran just before it. The clocks (the host's, shared
-by both processes) split each round trip into: submit to the task's start, the task, the task's
-end to the result. In the worker, gpu_serde's rebuild of the Buffer and its broker acquire inside
-it are timed by wrapping the two functions (``client.run``).
+One worker process of a LocalCluster whose scheduler runs in the client's (the exporter's) process.
+A 1 MiB Buffer from a pool that keeps its memory, or the int 0, goes to a task that reads the
+buffer's first byte and closes it. Each case runs right after the same preparation (the wait for
+the last release, a buffer filled on the GPU), either back to back or after 100 ms of quiet, the
+int and the Buffer taking turns to go first: Dask's own round trip depends on what ran just before
+it. The clocks (the host's, shared by both processes) split each round trip into: submit to the
+task's start, the task, the task's end to the result. In the worker, gpu_serde's rebuild of the
+Buffer and its broker acquire inside it are timed by wrapping the two functions (``client.run``).
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def main() -> None:
                 f"{what}, {regime}": lambda n=f"{what}, {regime}", q=quiet, b=buffer: case(n, q, b)
                 for what, buffer in (("int", False), ("Buffer", True))
             }
-            interleaved(pair, rounds=ROUNDS, per_round=1)
+            interleaved(pair, rounds=ROUNDS, per_round=1, alternate=True)
             (times,) = client.run(take_rebuild_times).values()  # the Buffer cases' rebuilds
             rebuilds[f"Buffer, {regime}"] = times
 

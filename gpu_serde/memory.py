@@ -196,7 +196,7 @@ def rebuild_pool(p: tuple) -> Pool | wire.UnresolvedObject:
 
 
 def _let_go(buf: Buffer) -> None:
-    """Runs in the broker's thread when the last importer released ``buf``."""
+    """Runs in the broker's release thread when the last importer released ``buf``."""
     # freeing needs a context in this thread: the buffer's device's, or any for pinned memory
     (Device(buf.device_id) if buf.device_id >= 0 else Device()).set_current()
 

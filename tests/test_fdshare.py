@@ -10,8 +10,9 @@ import time
 
 import pytest
 
+from gpu_serde import fdshare
 from gpu_serde.errors import ExporterGoneError, TokenRefusedError
-from gpu_serde.fdshare import Broker, fetch
+from gpu_serde.fdshare import Broker, acquire, disconnect, fetch, release
 
 EXPORTER = """
 import os, sys
@@ -56,9 +57,11 @@ def test_the_right_token_gets_the_descriptor_from_another_process(exporter):
 
 def test_a_wrong_token_gets_nothing(exporter):
     _, address, _ = exporter
+    disconnect()
     before = open_fds()
     with pytest.raises(TokenRefusedError, match="refused"):
         fetch(address, bytes(16))
+    disconnect()  # the connection kept for the next request is the only new descriptor
     assert open_fds() == before
 
 
@@ -136,17 +139,118 @@ def test_another_user_gets_nothing(exporter):
     assert as_other_user(raw_request) == "nothing"  # the broker hung up without a word
 
 
+def wait_for_fds(pid: int | str, expected: int) -> int:
+    deadline = time.monotonic() + 2  # a broker's thread closes its side just after the client
+    while open_fds(pid) != expected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return open_fds(pid)
+
+
 def test_a_thousand_handoffs_leave_no_descriptor_open(exporter):
     proc, address, token = exporter
+    disconnect()
     mine, theirs = open_fds(), open_fds(proc.pid)
     for _ in range(1000):
         os.close(fetch(address, token))
-    time.sleep(0.2)  # let the broker finish closing its side of the last connection
+    assert open_fds() == mine + 1  # one connection, kept for the next request
+    assert wait_for_fds(proc.pid, theirs + 1) == theirs + 1  # the broker's side of it
+    disconnect()
     assert open_fds() == mine
-    assert open_fds(proc.pid) == theirs
+    assert wait_for_fds(proc.pid, theirs) == theirs
+
+
+def test_a_killed_exporter_behind_a_kept_connection_is_reported_within_a_second(exporter):
+    proc, address, token = exporter
+    disconnect()
+    before = open_fds()
+    os.close(fetch(address, token))  # leaves a connection open for reuse
+    proc.kill()
+    proc.wait(10)
+    started = time.monotonic()
+    with pytest.raises(ExporterGoneError, match="gone"):
+        fetch(address, token)
+    assert time.monotonic() - started < 1.0
+    assert open_fds() == before  # the dead connection is closed, not kept
+
+
+def test_a_connection_the_broker_closed_while_idle_is_reopened_and_counts_once(monkeypatch):
+    monkeypatch.setattr(fdshare, "IDLE_S", 0.2)
+    b = Broker()
+    try:
+        token = b.hold("a buffer", lambda obj: None)
+        acquire(b.address, token)
+        (kept,) = fdshare._idle[b.address]
+        time.sleep(0.5)  # the broker closes the silent connection
+        acquire(b.address, token)  # over a new one
+        assert fdshare._idle[b.address] != [kept]
+        assert release(b.address, token)
+        assert release(b.address, token)
+        assert not release(b.address, token)  # two acquires counted, no more
+    finally:
+        b.close()
+
+
+def test_a_slow_release_callback_delays_no_reply():
+    b = Broker()
+    try:
+        slow = b.hold("let go slowly", lambda obj: time.sleep(1.5))
+        other = b.hold("another buffer", lambda obj: None)
+        acquire(b.address, slow)
+        assert release(b.address, slow)  # its callback now runs for 1.5 s
+        time.sleep(0.1)
+        started = time.monotonic()
+        acquire(b.address, other)  # over the same connection
+        assert time.monotonic() - started < 0.5
+    finally:
+        b.close()
+
+
+def test_a_process_keeps_at_most_max_idle_connections():
+    disconnect()
+    brokers = [Broker() for _ in range(fdshare.MAX_IDLE + 3)]
+    fd = os.memfd_create("x")
+    try:
+        tokens = [b.offer(fd) for b in brokers]
+        before = open_fds()
+        for b, token in zip(brokers, tokens, strict=True):
+            os.close(fetch(b.address, token))
+        # both ends live in this process: the client's and the broker's
+        assert wait_for_fds("self", before + 2 * fdshare.MAX_IDLE) == before + 2 * fdshare.MAX_IDLE
+        disconnect()
+        assert wait_for_fds("self", before) == before
+    finally:
+        os.close(fd)
+        for b in brokers:
+            b.close()
+
+
+def test_threads_share_a_broker_and_every_request_is_counted_once():
+    from concurrent.futures import ThreadPoolExecutor
+
+    b = Broker()
+    let_go = []
+    try:
+        token = b.hold("a buffer", let_go.append, grace=0)
+        acquire(b.address, token)  # keeps it held while the threads come and go
+
+        def use(_: int) -> bool:
+            acquire(b.address, token)
+            return release(b.address, token)
+
+        with ThreadPoolExecutor(8) as pool:
+            assert all(pool.map(use, range(400)))
+        assert b.held() == 1 and let_go == []
+        assert release(b.address, token)
+        deadline = time.monotonic() + 3
+        while not let_go and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert let_go == ["a buffer"]
+    finally:
+        b.close()
 
 
 def test_revoke_and_close_release_the_brokers_descriptors():
+    disconnect()
     b = Broker()
     fd = os.memfd_create("x")
     try:
@@ -159,12 +263,9 @@ def test_revoke_and_close_release_the_brokers_descriptors():
         got = fetch(b.address, tokens[1])
         os.close(got)
         b.close()
-        deadline = time.monotonic() + 2  # the request's thread closes its connection just after
-        while open_fds() != before - 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert open_fds() == before - 1  # the listening socket is closed too
-        with pytest.raises(ExporterGoneError):
+        with pytest.raises(ExporterGoneError):  # also over the connection kept from before
             fetch(b.address, tokens[1])
+        assert wait_for_fds("self", before - 1) == before - 1  # the listening socket is closed too
     finally:
         os.close(fd)
 
@@ -177,8 +278,6 @@ def test_malformed_requests_are_value_errors():
 
 
 def test_a_held_object_is_let_go_after_its_last_importer_releases_it():
-    from gpu_serde.fdshare import acquire, release
-
     b = Broker()
     let_go = []
     try:
@@ -202,8 +301,6 @@ def test_a_held_object_is_let_go_after_its_last_importer_releases_it():
 
 
 def test_an_object_never_imported_stays_held_and_release_without_acquire_is_refused():
-    from gpu_serde.fdshare import release
-
     b = Broker()
     try:
         token = b.hold(object(), lambda obj: None)
@@ -215,8 +312,6 @@ def test_an_object_never_imported_stays_held_and_release_without_acquire_is_refu
 
 
 def test_a_forked_child_leaves_its_parents_broker_serving():
-    from gpu_serde import fdshare
-
     fd = os.memfd_create("exported")
     os.write(fd, b"still here")
     token = fdshare.broker().offer(fd)
@@ -232,3 +327,21 @@ def test_a_forked_child_leaves_its_parents_broker_serving():
     finally:
         os.close(got)
         fdshare.broker().revoke(token)
+
+
+def test_a_forked_child_opens_its_own_connections(exporter):
+    _, address, token = exporter
+    os.close(fetch(address, token))  # the parent keeps a connection to the exporter
+    pid = os.fork()
+    if pid == 0:  # never returns into pytest
+        try:
+            ok = not fdshare._idle  # the parent's connection is not the child's to use
+            for _ in range(50):
+                os.close(fetch(address, token))
+        except BaseException:
+            ok = False
+        os._exit(0 if ok else 1)
+    for _ in range(50):  # at the same time, over the inherited connection
+        os.close(fetch(address, token))
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -55,9 +55,13 @@ def check_in_queue(inbox, outbox) -> None:
 
 
 def close_on_own_stream(inbox, outbox) -> None:
-    """Runs in the receiver: use the buffer on a stream of its own, close it on that stream and
-    keep the closed object until told to exit."""
+    """Runs in the receiver: use the buffer on a stream of its own, close it on that stream, try
+    to send it on, and keep the closed object until told to exit."""
     import cupy as cp
+
+    from gpu_serde.errors import HandoffError
+
+    gpu_serde.install()
 
     buf = inbox.get(timeout=120)
     stream = Device(buf.device_id).create_stream()
@@ -67,7 +71,19 @@ def close_on_own_stream(inbox, outbox) -> None:
     del words
     mr = buf.memory_resource
     buf.close(stream)  # the free follows the work on that stream
-    outbox.put({"total": total, "resource": type(mr).__name__, "pool": type(mr.pool).__name__})
+    try:
+        pickle.dumps(buf)
+        forwarded = "sent"
+    except HandoffError as exc:
+        forwarded = "refused: closed" if "is closed" in str(exc) else f"refused: {exc}"
+    outbox.put(
+        {
+            "total": total,
+            "resource": type(mr).__name__,
+            "pool": type(mr.pool).__name__,
+            "forwarded": forwarded,
+        }
+    )
     inbox.get(timeout=120)  # the closed Buffer object lives until the test is done
 
 
@@ -209,7 +225,7 @@ def test_a_dask_worker_hands_a_gib_to_another(pool, real_gpu):
         assert got["ok"] and got["size"] == GiB
 
 
-def test_a_receiver_that_closes_a_buffer_on_its_stream_releases_it_while_the_object_lives(
+def test_a_receiver_closing_a_buffer_on_its_stream_releases_it_and_cannot_send_it_on(
     pool, real_gpu
 ):
     baseline = pool.attributes.used_mem_current
@@ -227,6 +243,7 @@ def test_a_receiver_that_closes_a_buffer_on_its_stream_releases_it_while_the_obj
             "total": sum(range(1024)),
             "resource": "ImportedMemory",
             "pool": "DeviceMemoryResource",
+            "forwarded": "refused: closed",  # its token may already be let go
         }
         # released on close, not at collection or exit: the child still holds the closed object
         assert wait_for_used(pool, baseline) == baseline
