@@ -13,14 +13,16 @@ process receives every argument), and ``client.submit(consume, arg, pure=False).
 local cluster of one worker process. The receiver reads the first byte on the GPU and returns it
 (and closes a received Buffer, as docs/memory.md advises).
 
-- gpu_serde: ``arg`` is a fresh Buffer from an IPC-enabled pool (a new pool per size; the first
-  hand-off of a pool, which imports the pool in the receiver, is timed apart as "first"), with
-  cuda.core's default release threshold (0): freed memory goes back to the driver, and each
-  buffer is new memory for the receiver to map.
+- gpu_serde, new memory: ``arg`` is a fresh Buffer from an IPC-enabled pool (a new pool per size;
+  the first hand-off of a pool, which imports the pool in the receiver, is timed apart as
+  "first") with cuda.core's default release threshold (0), and before each round (untimed) the
+  receiver synchronises its device, as a receiver doing other GPU work between hand-offs would
+  (the driver unmaps what it freed; that unmap is not timed), then the sender (its pool gives the
+  memory back to the driver): each buffer is new memory to export and to map.
 - gpu_serde, pool keeps memory: the same from a pool whose release threshold is its size, as a
-  steady stream (alternating with empty tasks only, timed apart from the other cases): each
-  buffer reuses memory the receiver mapped before, which the driver maps again at no cost as long
-  as the receiver has not synchronised since it freed it (a host copy's read would).
+  steady stream (nothing synchronises the receiver between hand-offs): each buffer reuses memory
+  the receiver mapped before, which the driver maps again at no cost as long as the receiver has
+  not synchronised since it freed it.
 - host copy: what a user does without gpu_serde: the sender copies the buffer into a pinned NumPy
   array (allocated once) and sends that; the receiver copies it into a new CuPy array.
 - empty task: the same call with the int 0, the engine's own overhead, right after the same
@@ -89,6 +91,15 @@ def consume(arg: Any) -> int:
     return first
 
 
+def sync_device() -> None:
+    """In the receiver: synchronise its GPU (the driver then unmaps the memory it freed)."""
+    from cuda.core import Device
+
+    dev = Device(0)
+    dev.set_current()
+    dev.sync()
+
+
 class Receiver:
     """Ray's receiver: one actor process takes every argument."""
 
@@ -100,6 +111,9 @@ class Receiver:
 
     def collect(self) -> None:
         gc.collect()
+
+    def sync(self) -> None:
+        sync_device()
 
 
 def wait_freed(mr: Any, collect: Callable[[], None]) -> None:
@@ -124,7 +138,9 @@ def expect(got: int, want: int) -> None:
         raise AssertionError(f"the receiver read {got}, not {want}")
 
 
-def one_size(size: int, send: Send, collect: Callable[[], None]) -> dict[str, float]:
+def one_size(
+    size: int, send: Send, collect: Callable[[], None], sync: Callable[[], None]
+) -> dict[str, float]:
     """Median seconds per round trip of each case at ``size``, and the pool's first hand-off."""
     import cupy as cp
     import cupyx
@@ -143,6 +159,9 @@ def one_size(size: int, send: Send, collect: Callable[[], None]) -> dict[str, fl
 
     def fresh(pool: Any = mr) -> None:
         wait_freed(pool, collect)
+        if pool is mr:
+            sync()  # the receiver unmaps what it freed,
+            dev.sync()  # and this pool (release threshold 0) gives the memory back to the driver
         buf = pool.allocate(size, stream=stream)
         buf.fill(FILL, stream=stream)
         dev.sync()
@@ -202,14 +221,17 @@ def one_size(size: int, send: Send, collect: Callable[[], None]) -> dict[str, fl
     return t
 
 
-def measure(send: Send, collect: Callable[[], None]) -> list[dict[str, Any]]:
-    """One row per size; ``send`` makes one round trip, ``collect`` collects in the receiver."""
+def measure(
+    send: Send, collect: Callable[[], None], sync: Callable[[], None]
+) -> list[dict[str, Any]]:
+    """One row per size; ``send`` makes one round trip, ``collect`` collects garbage in the
+    receiver and ``sync`` synchronises its GPU."""
     expect(warm(), 0)
     for _ in range(20):
         expect(send(0), 0)
     rows = []
     for label, size in SIZES:
-        row = {"size": label, **one_size(size, send, collect)}
+        row = {"size": label, **one_size(size, send, collect, sync)}
         print(
             f"{label}: "
             + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in row.items() if k != "size"),
@@ -233,7 +255,11 @@ def run_ray() -> tuple[str, list[dict[str, Any]]]:
         def send(arg: Any) -> int:
             return ray.get(receiver.consume.remote(arg), timeout=TIMEOUT_S)
 
-        rows = measure(send, lambda: ray.get(receiver.collect.remote(), timeout=TIMEOUT_S))
+        rows = measure(
+            send,
+            lambda: ray.get(receiver.collect.remote(), timeout=TIMEOUT_S),
+            lambda: ray.get(receiver.sync.remote(), timeout=TIMEOUT_S),
+        )
     finally:
         ray.shutdown()
     return f"Ray {ray.__version__} task argument, to a warm num_gpus=0.5 actor", rows
@@ -269,7 +295,11 @@ def run_dask() -> tuple[str, list[dict[str, Any]]]:
         def send(arg: Any) -> int:
             return client.submit(consume, arg, pure=False).result(timeout=TIMEOUT_S)
 
-        rows = measure(send, lambda: client.run(gc.collect))
+        rows = measure(
+            send,
+            lambda: client.run(gc.collect),
+            lambda: client.submit(sync_device, pure=False).result(timeout=TIMEOUT_S),
+        )
     return f"Dask distributed {distributed.__version__} task argument, to one worker process", rows
 
 
