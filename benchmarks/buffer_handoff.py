@@ -5,12 +5,14 @@ through host memory, at 1 MiB, 64 MiB, 1 GiB and 4 GiB, from one run (needs a re
 
 The time runs from the sender's call to the receiver holding the data: the receiver's clock after
 it has mapped the buffer and read from it on the GPU (sender and receiver share the host's clock).
-gpu_serde and cuda.core send the buffer on a ``multiprocessing.Queue`` to a warm spawned child
-(the first hand-off of a pool, which imports it, is timed apart); "host copy" copies the buffer to
+gpu_serde and cuda.core send the buffer on a ``multiprocessing.Queue`` to a warm spawned child (the
+first hand-off of a pool, which imports it, is timed apart); "host copy" copies the buffer to
 pinned host memory and back to a new device buffer in one process. Each path runs with a pool at
-cuda.core's default release threshold (0: freed memory goes back to the driver, so each buffer is
-new memory to map) and with a pool that keeps its memory (threshold = its size). Target (issue
-5): flat in size, <= 2 ms at 1 GiB, >= 100x faster than the copy at 1 GiB.
+cuda.core's default release threshold (0: memory the exporter frees goes back to the driver at its
+next synchronisation) and with a pool that keeps its memory (threshold = its size). The receiver
+synchronises only for its read, before it frees the buffer, so in both the memory usually comes
+back to it still mapped (``buffer_task.py`` times new memory). Target (issue 5): flat in size,
+<= 2 ms at 1 GiB, >= 100x faster than the copy at 1 GiB.
 """
 
 from __future__ import annotations
