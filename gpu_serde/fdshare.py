@@ -12,7 +12,8 @@ used brokers) and reuses them, so a request costs one message each way instead o
 new thread in the broker; the broker serves each connection from a thread of its own and closes
 one idle for :data:`IDLE_S`. A reused connection that the broker closed in the meantime (idle, or
 the exporter exited) is reconnected once; the broker never closes a connection between reading a
-request and answering it, so a request is never counted twice.
+request and answering it (except in :meth:`Broker.close`, after which nothing is counted), so a
+request is never counted twice.
 """
 
 from __future__ import annotations
