@@ -158,11 +158,36 @@ def resolve(obj: Any) -> Any:
         PayloadError: ``obj`` came from a gpu_serde that writes another payload version.
 
     A ``Device`` comes back as the calling thread's object for the same GPU (cuda.core keeps one
-    per thread; call ``resolve`` in the thread that uses it). Every other object is returned
-    unchanged.
+    per thread; call ``resolve`` in the thread that uses it). Lists, tuples (named ones too) and
+    dicts are resolved item by item, nested ones too, and raise for the first placeholder in
+    them; one that holds a ``Device`` comes back as a new container of the same type, any other
+    as itself. Every other object is returned unchanged.
     """
+    return _resolve(obj, set())
+
+
+def _resolve(obj: Any, busy: set[int]) -> Any:
     if isinstance(obj, (wire.UnresolvedDevice, wire.UnresolvedObject)):
         raise obj._error()
     if isinstance(obj, Device):
         return Device(obj.device_id)  # this thread's object (Dask unpickles in another thread)
-    return obj
+    kind = type(obj)
+    if kind not in (list, tuple, dict) and not (isinstance(obj, tuple) and hasattr(kind, "_make")):
+        return obj
+    if id(obj) in busy:  # a container that holds itself
+        return obj
+    busy.add(id(obj))
+    try:
+        if kind is dict:
+            items = {k: _resolve(v, busy) for k, v in obj.items()}
+            same = all(items[k] is v for k, v in obj.items())
+        else:
+            items = [_resolve(v, busy) for v in obj]
+            same = all(a is b for a, b in zip(items, obj, strict=True))
+    finally:
+        busy.discard(id(obj))
+    if same:
+        return obj
+    if kind is dict or kind is list:
+        return kind(items)
+    return kind(items) if kind is tuple else kind._make(items)

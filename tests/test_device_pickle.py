@@ -1,5 +1,7 @@
 """In one process: a Device pickles by UUID and comes back as the very same object."""
 
+import collections
+import concurrent.futures
 import copyreg
 import multiprocessing.reduction
 import pickle
@@ -64,6 +66,30 @@ def test_resolve_passes_real_objects_through(installed):
     d = Device(0)
     assert gpu_serde.resolve(d) is d
     assert gpu_serde.resolve(42) == 42
+
+
+def test_resolve_gives_this_threads_devices_inside_containers(installed):
+    Pair = collections.namedtuple("Pair", "device n")
+    with concurrent.futures.ThreadPoolExecutor(1) as other_thread:  # as Dask unpickles
+        received = other_thread.submit(
+            lambda: {"devices": [Device(1), Pair(Device(2), 7)], "n": (3,)}
+        ).result()
+    assert received["devices"][0] is not Device(1)
+
+    got = gpu_serde.resolve(received)
+
+    assert got["devices"][0] is Device(1)
+    assert type(got["devices"][1]) is Pair and got["devices"][1] == (Device(2), 7)
+    assert got["devices"][1].device is Device(2)
+    assert got["n"] is received["n"]  # nothing to change: the same object
+
+
+def test_resolve_returns_a_container_without_gpu_objects_as_itself(installed):
+    cyclic: list = [1, "two"]
+    cyclic.append(cyclic)
+    data = {"a": [1, 2], "b": cyclic}
+    assert gpu_serde.resolve(data) is data
+    assert gpu_serde.resolve(cyclic) is cyclic
 
 
 def test_the_dask_preload_keeps_a_users_strict_mode_and_warns(simulated_gpus):

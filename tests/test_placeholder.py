@@ -99,3 +99,10 @@ def test_private_names_raise_attribute_error_so_tools_keep_working(placeholder):
 
     assert copy.copy(placeholder) == placeholder
     assert not hasattr(placeholder, "_not_there")
+
+
+def test_resolve_finds_a_placeholder_inside_nested_containers(placeholder):
+    received = {"inputs": [1, (2, placeholder)]}
+    with pytest.raises(DeviceNotVisibleError) as info:
+        gpu_serde.resolve(received)
+    assert info.value.uuid == "GPU-deadbeef-dead-beef-dead-beefdeadbeef"
