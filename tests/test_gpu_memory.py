@@ -70,6 +70,7 @@ def close_on_own_stream(inbox, outbox) -> None:
         total = int(words[:1024].sum())  # waits for the read
     del words
     mr = buf.memory_resource
+    mapped = (mr.is_mapped, buf.is_mapped)  # docs/memory.md: read the resource's
     buf.close(stream)  # the free follows the work on that stream
     try:
         pickle.dumps(buf)
@@ -81,6 +82,7 @@ def close_on_own_stream(inbox, outbox) -> None:
             "total": total,
             "resource": type(mr).__name__,
             "pool": type(mr.pool).__name__,
+            "mapped (resource, buffer)": mapped,
             "forwarded": forwarded,
         }
     )
@@ -243,6 +245,7 @@ def test_a_receiver_closing_a_buffer_on_its_stream_releases_it_and_cannot_send_i
             "total": sum(range(1024)),
             "resource": "ImportedMemory",
             "pool": "DeviceMemoryResource",
+            "mapped (resource, buffer)": (True, False),  # cuda.core 1.2's flag: its own import
             "forwarded": "refused: closed",  # its token may already be let go
         }
         # released on close, not at collection or exit: the child still holds the closed object
