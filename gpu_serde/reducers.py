@@ -188,6 +188,4 @@ def _resolve(obj: Any, busy: set[int]) -> Any:
         busy.discard(id(obj))
     if same:
         return obj
-    if kind is dict or kind is list:
-        return kind(items)
-    return kind(items) if kind is tuple else kind._make(items)
+    return kind(items) if kind in (list, tuple, dict) else kind._make(items)  # a named tuple
