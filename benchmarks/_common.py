@@ -64,17 +64,12 @@ def interleaved(
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
-def paired(samples: dict[str, list[float]], case: str, baseline: str) -> float:
-    """The median over rounds of ``case`` minus ``baseline`` in the same round: what ``case``
-    adds, with the drift between rounds taken out."""
-    return statistics.median(c - b for c, b in zip(samples[case], samples[baseline], strict=True))
-
-
 def paired_ci(
     samples: dict[str, list[float]], case: str, baseline: str
 ) -> tuple[float, float, float]:
-    """:func:`paired`, with a distribution-free 95% confidence interval for that median (the
-    order statistics at n/2 -+ 0.98 sqrt(n)): ``(median, low, high)``."""
+    """The median over rounds of ``case`` minus ``baseline`` in the same round (what ``case`` adds,
+    with the drift between rounds taken out), and a distribution-free 95% confidence interval for
+    that median (the order statistics at n/2 -+ 0.98 sqrt(n)): ``(median, low, high)``."""
     d = sorted(c - b for c, b in zip(samples[case], samples[baseline], strict=True))
     k = max(0, int((len(d) - 1.96 * len(d) ** 0.5) / 2))
     return statistics.median(d), d[k], d[len(d) - 1 - k]
