@@ -46,15 +46,15 @@ def receiver(inbox, outbox) -> None:
 
 
 def broker_round_trip() -> float:
-    from gpu_serde import fdshare
+    from gpu_serde import broker
 
-    b = fdshare.broker()
+    b = broker.broker()
     times = []
     for _ in range(50):
         token = b.hold("x", lambda _: None, grace=0)
         t0 = time.perf_counter()
-        fdshare.acquire(b.address, token)
-        fdshare.release(b.address, token)
+        broker.acquire(b.address, token)
+        broker.release(b.address, token)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -63,10 +63,10 @@ def main() -> None:
     from cuda.core import Device, DeviceMemoryResource, DeviceMemoryResourceOptions
 
     import gpu_serde
-    from gpu_serde import memory
+    from gpu_serde import handoff
 
     gpu_serde.install()
-    memory.RELEASE_GRACE_S = 0.0
+    handoff.RELEASE_GRACE_S = 0.0
     dev = Device(0)
     dev.set_current()
     ctx = multiprocessing.get_context("spawn")

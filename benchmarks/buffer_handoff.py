@@ -99,9 +99,9 @@ def main() -> None:
     from cuda.core import Device
 
     import gpu_serde
-    from gpu_serde import memory
+    from gpu_serde import handoff
 
-    memory.RELEASE_GRACE_S = 0.0
+    handoff.RELEASE_GRACE_S = 0.0
     dev = Device(0)
     dev.set_current()
     ctx = multiprocessing.get_context("spawn")
@@ -128,7 +128,7 @@ def main() -> None:
         row["host copy"] = statistics.median(host_copy(dev, size))
         rows.append(row)
     gpu_serde.install()
-    from gpu_serde.fdshare import broker
+    from gpu_serde.broker import broker
 
     time.sleep(1)
     print(f"buffers still held for importers after the run: {broker().held()}", file=sys.stderr)

@@ -61,7 +61,9 @@ import numpy as np
 from _common import interleaved_samples, ipc_pool, machine, paired_ci, times
 
 SIZES = [("1 MiB", 1 << 20), ("64 MiB", 64 << 20), ("1 GiB", 1 << 30), ("4 GiB", 4 << 30)]
-ROUNDS = 61  # the hand-off's 95% interval: the 23rd to the 39th of 61 differences
+#: the hand-off's 95% interval is the 23rd to the 39th of 61 differences; GPU_SERDE_BENCH_ROUNDS
+#: (odd) trades that interval for time, e.g. for a side-by-side run of two trees
+ROUNDS = int(os.environ.get("GPU_SERDE_BENCH_ROUNDS", "61"))
 COPY_ROUNDS = 7
 FILL = 7
 TIMEOUT_S = 300
@@ -381,9 +383,9 @@ def main() -> None:
         ) from None
     from cuda.core import Device
 
-    from gpu_serde import memory
+    from gpu_serde import handoff
 
-    memory.RELEASE_GRACE_S = 0.0  # buffers go back to their pool between rounds
+    handoff.RELEASE_GRACE_S = 0.0  # buffers go back to their pool between rounds
     dev = Device(0)
     dev.set_current()
     results = []
@@ -391,7 +393,7 @@ def main() -> None:
         results.append(run_ray())
     if engines in ("dask", "both", "all"):
         results.append(run_dask())
-    from gpu_serde.fdshare import broker
+    from gpu_serde.broker import broker
 
     print(f"buffers still held for importers after the run: {broker().held()}", file=sys.stderr)
     for title, rows in results:

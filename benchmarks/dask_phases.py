@@ -50,7 +50,8 @@ def consume(arg: Any) -> tuple[float, float]:
 
 def time_rebuilds(dask_worker: Any) -> None:
     """In the worker: record how long each Buffer rebuild, and the broker acquire in it, take."""
-    from gpu_serde import fdshare, memory
+    from gpu_serde import broker, pools, wire
+    from gpu_serde.placeholders import define
 
     record: dict[str, list[float]] = {"rebuild": [], "acquire": []}
 
@@ -64,8 +65,8 @@ def time_rebuilds(dask_worker: Any) -> None:
 
         return wrapper
 
-    fdshare.acquire = timed("acquire", fdshare.acquire)
-    memory.rebuild_buffer = timed("rebuild", memory.rebuild_buffer)
+    broker.acquire = timed("acquire", broker.acquire)  # pools calls it through its module
+    define(wire.buf, "Buffer", timed("rebuild", pools.rebuild_buffer))
     dask_worker.gpu_serde_rebuilds = record
 
 
@@ -85,13 +86,13 @@ def main() -> None:
     from distributed import Client, LocalCluster
 
     import gpu_serde.dask
-    from gpu_serde import memory
+    from gpu_serde import handoff
     from gpu_serde.inventory import inventory
 
     inv = inventory()
     if inv.simulated or not inv.devices:
         raise SystemExit(f"dask_phases.py needs a real GPU; this process sees: {inv.describe()}")
-    memory.RELEASE_GRACE_S = 0.0
+    handoff.RELEASE_GRACE_S = 0.0
     dask.config.set({"distributed.admin.low-level-log-length": 0})  # see buffer_task.py
     dev = Device(0)
     dev.set_current()

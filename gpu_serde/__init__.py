@@ -4,17 +4,20 @@ Public names::
 
     install(strict=False) / uninstall()   pickle cuda.core objects by UUID in this process
     visible_devices()                     the GPUs this process sees (DeviceInfo list)
-    resolve(obj)                          a received object, or DeviceNotVisibleError
-    DeviceInfo, UnresolvedDevice, DeviceNotVisibleError, PayloadError, canonical_uuid
+    resolve(obj)                          a received object, or its typed error
+    DeviceInfo, UnresolvedDevice, UnresolvedObject, canonical_uuid
+    DeviceNotVisibleError, PayloadError, CompatibilityError
     HandoffError and its kinds: OtherHostError, ExporterGoneError, TokenRefusedError,
-    NotIPCEnabledError (memory hand-off, :mod:`gpu_serde.memory`)
+    NotIPCEnabledError (memory hand-off)
 
 Engine adapters live in :mod:`gpu_serde.ray` and :mod:`gpu_serde.dask`; simulated GPUs for
-CPU-only tests in :mod:`gpu_serde.testing`.
+CPU-only tests in :mod:`gpu_serde.testing`. ``docs/how-it-works.md`` shows the modules.
 """
 
+from gpu_serde import handled as _handled  # noqa: F401  (fills the tables: types, rebuilds)
 from gpu_serde._version import __version__
 from gpu_serde.errors import (
+    CompatibilityError,
     DeviceNotVisibleError,
     ExporterGoneError,
     HandoffError,
@@ -25,10 +28,11 @@ from gpu_serde.errors import (
 )
 from gpu_serde.identity import DeviceInfo, canonical_uuid
 from gpu_serde.inventory import visible_devices
-from gpu_serde.reducers import install, resolve, uninstall
-from gpu_serde.wire import UnresolvedDevice, UnresolvedObject
+from gpu_serde.placeholders import UnresolvedDevice, UnresolvedObject, resolve
+from gpu_serde.registry import install, uninstall
 
 __all__ = [
+    "CompatibilityError",
     "DeviceInfo",
     "DeviceNotVisibleError",
     "ExporterGoneError",

@@ -21,8 +21,8 @@ from dask.tokenize import normalize_token
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from gpu_serde.identity import uuid_bytes
-from gpu_serde.inventory import inventory, set_role
-from gpu_serde.reducers import ensure_installed
+from gpu_serde.inventory import inventory, set_role, uuid_of
+from gpu_serde.registry import ensure_installed
 
 logger = logging.getLogger("gpu_serde.dask")
 
@@ -30,10 +30,7 @@ logger = logging.getLogger("gpu_serde.dask")
 @normalize_token.register(Device)
 def _tokenize_device(dev: Device) -> tuple:
     """Devices hash by UUID, so task keys do not depend on the local ordinal."""
-    devices = inventory().devices
-    ordinal = dev.device_id
-    raw = uuid_bytes(devices[ordinal].uuid) if ordinal < len(devices) else uuid_bytes(dev.uuid)
-    return ("cuda.core.Device", raw)
+    return ("cuda.core.Device", uuid_bytes(uuid_of(dev.device_id)))
 
 
 @normalize_token.register(Buffer)

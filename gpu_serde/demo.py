@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpu_serde import testing
+from gpu_serde.inventory import uuid_of
 
 Row = tuple[str, tuple]  # worker name, what _report returned
 Hop = dict[str, Any]  # one buffer hand-off, as _receive returned it plus "from"/"to"
@@ -52,7 +53,7 @@ def _report(device: Any) -> tuple:
     cvd = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
     try:
         d = gpu_serde.resolve(device)
-        return ("ok", cvd, d.device_id, "GPU-" + d.uuid)
+        return ("ok", cvd, d.device_id, uuid_of(d.device_id))
     except gpu_serde.DeviceNotVisibleError as exc:
         return ("error", cvd, None, str(exc))
 
@@ -72,7 +73,7 @@ def _export(device: Any) -> tuple[Any, dict[str, Any]]:
     pattern = os.urandom(4)
     buf.fill(pattern, stream=dev.default_stream)
     dev.default_stream.sync()
-    return buf, {"ordinal": dev.device_id, "uuid": "GPU-" + dev.uuid, "pattern": pattern}
+    return buf, {"ordinal": dev.device_id, "uuid": uuid_of(dev.device_id), "pattern": pattern}
 
 
 def _read_ends(buf: Any, n: int) -> bytes:
@@ -99,8 +100,6 @@ def _read_ends(buf: Any, n: int) -> bytes:
 
 def _receive(sent: tuple[Any, dict[str, Any]]) -> dict[str, Any]:
     """Runs on a receiver: map the buffer, read both its ends back and compare with the pattern."""
-    from cuda.core import Device
-
     import gpu_serde
 
     buf, exporter = sent
@@ -111,7 +110,7 @@ def _receive(sent: tuple[Any, dict[str, Any]]) -> dict[str, Any]:
         return {
             "exporter": exporter,
             "ordinal": buf.device_id,
-            "uuid": "GPU-" + Device(buf.device_id).uuid,
+            "uuid": uuid_of(buf.device_id),
             "mapped": buf.memory_resource.is_mapped,  # a pool mapped from the exporter
             "verified": seen == exporter["pattern"] * (2 * n // 4),
         }

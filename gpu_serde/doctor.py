@@ -34,7 +34,7 @@ def probe() -> dict[str, Any]:
     GPUs, since it runs as a task)."""
     import gpu_serde
     from gpu_serde.inventory import inventory
-    from gpu_serde.reducers import is_installed
+    from gpu_serde.registry import is_installed
 
     inv = inventory()
     return {
@@ -55,9 +55,10 @@ def locate(device: Any) -> tuple[int, str]:
         DeviceNotVisibleError: the Device's GPU is not visible in this worker.
     """
     import gpu_serde
+    from gpu_serde.inventory import uuid_of
 
     d = gpu_serde.resolve(device)
-    return d.device_id, "GPU-" + d.uuid
+    return d.device_id, uuid_of(d.device_id)
 
 
 def _report(name: str, raw: dict[str, Any] | BaseException) -> WorkerReport:

@@ -25,12 +25,19 @@ class DeviceNotVisibleError(RuntimeError):
         self.host = host
         self.visible = tuple(visible)
 
-    def __reduce__(self):  # keeps .uuid/.host/.visible across Ray and Dask
+    def __reduce__(
+        self,
+    ) -> tuple[type[DeviceNotVisibleError], tuple[str, str, str, tuple[DeviceInfo, ...]]]:
+        # keeps .uuid/.host/.visible across Ray and Dask
         return (type(self), (str(self), self.uuid, self.host, self.visible))
 
 
 class PayloadError(ValueError):
-    """A gpu_serde payload is malformed, truncated, of an unknown version, or not gpu_serde's."""
+    """A gpu_serde payload is malformed, truncated, of an unknown version, or not gpu_serde's.
+
+    Raised when the placeholder that such a payload became is used (or at unpickling under
+    ``install(strict=True)``), never inside an engine's unpickler.
+    """
 
 
 class HandoffError(RuntimeError):
@@ -51,3 +58,8 @@ class NotIPCEnabledError(HandoffError, TypeError):
 
 class OtherHostError(HandoffError):
     """GPU memory sent to a process on another host (memory crosses processes only on its host)."""
+
+
+class CompatibilityError(RuntimeError):
+    """An installed library (cuda.core, Python's multiprocessing) lacks a private name that
+    gpu_serde needs; the message names it and the versions known to work."""

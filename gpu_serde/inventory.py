@@ -19,6 +19,7 @@ from gpu_serde.identity import (
     describe_cuda_visible_devices,
     mig_prefixes,
 )
+from gpu_serde.text import safe
 
 
 @dataclass(frozen=True)
@@ -56,10 +57,11 @@ class Inventory:
             sim = " (simulated driver)" if self.simulated else ""
             lines.append(f"this process sees {len(self.devices)} GPU(s){sim}:")
             lines += [
-                f"  {d.ordinal}  {d.uuid}  {d.name}  {d.pci_bus_id or '-'}" for d in self.devices
+                f"  {d.ordinal}  {d.uuid}  {safe(d.name)}  {safe(d.pci_bus_id) or '-'}"
+                for d in self.devices
             ]
         else:
-            lines.append(f"this process sees no GPU: {self.reason}")
+            lines.append(f"this process sees no GPU: {safe(self.reason)}")
         return "\n".join(lines)
 
 
@@ -178,3 +180,24 @@ def visible_devices() -> list[DeviceInfo]:
     is empty.
     """
     return list(inventory().devices)
+
+
+def local_ordinal(uuid: bytes) -> int | None:
+    """This process's ordinal of the GPU with these 16 raw UUID bytes, or None if not visible.
+
+    Never raises and never creates a CUDA context (the inventory is enumerated once, then cached).
+    """
+    return (cached or inventory()).by_uuid.get(uuid)
+
+
+def uuid_of(ordinal: int) -> str:
+    """The canonical UUID (``GPU-...``, or ``MIG-...`` for a MIG instance) of this process's GPU
+    ``ordinal``: what ``"GPU-" + Device(ordinal).uuid`` gets wrong for MIG.
+
+    Raises:
+        ValueError: no visible GPU has that ordinal.
+    """
+    devices = (cached or inventory()).devices
+    if not 0 <= ordinal < len(devices):
+        raise ValueError(f"this process sees no GPU {ordinal}: {inventory().describe()}")
+    return devices[ordinal].uuid

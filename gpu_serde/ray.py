@@ -16,7 +16,7 @@ import os
 from typing import Any
 
 from gpu_serde.inventory import set_role
-from gpu_serde.reducers import ensure_installed
+from gpu_serde.registry import ensure_installed
 
 HOOK = "gpu_serde.ray.setup_worker"
 _KEY = "worker_process_setup_hook"

@@ -5,7 +5,8 @@ path for VMM buffers. Here the device and the peers travel as device payloads (r
 receiver's own ordinals), and a buffer travels as a POSIX descriptor of its physical allocation
 (``cuMemExportToShareableHandle``), served by the exporter's broker and mapped by the receiver
 with the access the options ask for. As for pools, the exporter keeps the buffer alive until its
-importers have released it (or it exits); failures while rebuilding give placeholders.
+importers have released it (or it exits); failures while rebuilding give placeholders
+(:mod:`gpu_serde.placeholders`). Reduce and rebuild of each type sit side by side.
 """
 
 from __future__ import annotations
@@ -20,10 +21,23 @@ from cuda.bindings import driver
 from cuda.core import Buffer, Device, VirtualMemoryResource, VirtualMemoryResourceOptions
 from cuda.core import typing as cctyping
 
-from gpu_serde import fdshare, memory, wire
+from gpu_serde import broker as _broker
+from gpu_serde import handoff, wire
 from gpu_serde import inventory as _inventory
+from gpu_serde.device import device_payload
 from gpu_serde.errors import HandoffError, NotIPCEnabledError, PayloadError
-from gpu_serde.payload import MAX_PEERS, VERSION, decode_device, validate_options
+from gpu_serde.memory_payload import (
+    MAX_PEERS,
+    OptionsPayload,
+    VbufPayload,
+    VmmPayload,
+    decode_options,
+    decode_vbuf,
+    decode_vmm,
+)
+from gpu_serde.payload import VERSION, decode_device
+from gpu_serde.placeholders import define, not_visible_error
+from gpu_serde.text import safe
 
 #: Option fields sent as the string values of cuda.core's enums (or None), in payload order.
 ENUM_FIELDS = {
@@ -48,8 +62,6 @@ def _plain(field: str, value: object) -> str | None:
 
 
 def _peer_payload(peer: object) -> bytes:
-    from gpu_serde.reducers import device_payload
-
     try:
         return device_payload(Device(int(peer)))  # type: ignore[call-overload]
     except Exception as exc:
@@ -59,7 +71,7 @@ def _peer_payload(peer: object) -> bytes:
         ) from exc
 
 
-def options_payload(opts: VirtualMemoryResourceOptions) -> tuple:
+def options_payload(opts: VirtualMemoryResourceOptions) -> OptionsPayload:
     """The plain-data payload of ``opts``: enum fields as strings, peers as device payloads.
 
     A one-shot iterator in ``opts.peers`` (a generator) is replaced by the tuple it gave, in the
@@ -92,39 +104,37 @@ def options_payload(opts: VirtualMemoryResourceOptions) -> tuple:
         plain["peer_access"],
     )
     try:
-        return validate_options(p)  # what a receiver would refuse fails here, at the sender
+        return decode_options(p)  # what a receiver would refuse fails here, at the sender
     except PayloadError as exc:
         raise ValueError(f"these VirtualMemoryResourceOptions cannot be sent: {exc}") from None
 
 
-def reduce_options(opts: VirtualMemoryResourceOptions) -> tuple:
+def reduce_options(opts: VirtualMemoryResourceOptions) -> tuple[Any, ...]:
     """Reducer for ``VirtualMemoryResourceOptions``: ``(gpu_serde.wire.vmo, (payload,))``.
 
     Raises:
         ValueError, TypeError: as :func:`options_payload`.
     """
-    return (wire.vmo, (options_payload(opts),))
+    return (wire.vmo, (options_payload(opts).wire(),))
 
 
-def resource_payload(mr: VirtualMemoryResource) -> tuple:
-    """``(1, device payload or None for host memory, options payload)``.
+def resource_payload(mr: VirtualMemoryResource) -> VmmPayload:
+    """A ``VirtualMemoryResource``: its device (None for host memory) and options.
 
     Raises:
         ValueError, TypeError: as :func:`options_payload`.
     """
-    from gpu_serde.reducers import device_payload
-
     dev = device_payload(Device(mr.device.device_id)) if mr.device is not None else None
-    return (VERSION, dev, options_payload(mr.config))
+    return VmmPayload(VERSION, dev, options_payload(mr.config))
 
 
-def reduce_resource(mr: VirtualMemoryResource) -> tuple:
+def reduce_resource(mr: VirtualMemoryResource) -> tuple[Any, ...]:
     """Reducer for ``VirtualMemoryResource``: ``(gpu_serde.wire.vmm, (payload,))``.
 
     Raises:
         ValueError, TypeError: as :func:`options_payload`.
     """
-    return (wire.vmm, (resource_payload(mr),))
+    return (wire.vmm, (resource_payload(mr).wire(),))
 
 
 def _enum(field: str, value: str | None) -> Any:
@@ -137,65 +147,93 @@ def _enum(field: str, value: str | None) -> Any:
         return kind(value)
     except ValueError:
         raise PayloadError(
-            f"VirtualMemoryResourceOptions.{field}={value!r} is not known to this process's "
-            f"cuda.core: install the same cuda-core version on every process"
+            f"VirtualMemoryResourceOptions.{field}={safe(value)!r} is not known to this "
+            "process's cuda.core: install the same cuda-core version on every process"
         ) from None
 
 
-def rebuild_options(p: tuple, *, visible_peers_only: bool = False) -> VirtualMemoryResourceOptions:
-    """Options on this process's ordinals (payload already validated); ``visible_peers_only``
-    drops the peers this process cannot see instead of raising.
+def local_options(
+    p: OptionsPayload, *, visible_peers_only: bool = False
+) -> VirtualMemoryResourceOptions:
+    """Options on this process's ordinals; ``visible_peers_only`` drops the peers this process
+    cannot see instead of raising.
 
     Raises:
         DeviceNotVisibleError: a peer GPU is not visible here (the message names it).
         PayloadError: an option value this cuda.core does not know.
     """
-    inv = _inventory.cached or _inventory.inventory()
     peers = []
-    for dp in p[8]:
-        ordinal = inv.by_uuid.get(dp[1:17])
+    for dp in p.peers:
+        ordinal = _inventory.local_ordinal(dp[1:17])
         if ordinal is None and visible_peers_only:
             continue
         if ordinal is None:
-            raise wire.not_visible_error(
-                decode_device(dp), inv, what="Peer GPU (VirtualMemoryResourceOptions.peers)"
+            raise not_visible_error(
+                decode_device(dp),
+                _inventory.inventory(),
+                what="Peer GPU (VirtualMemoryResourceOptions.peers)",
             )
         peers.append(ordinal)
-    names = ("allocation_type", "location_type", "handle_type", "granularity")
-    fields = {f: _enum(f, v) for f, v in zip(names, p[1:5], strict=True)}
     return VirtualMemoryResourceOptions(
-        **fields,
-        gpu_direct_rdma=p[5],
-        addr_hint=p[6],
-        addr_align=p[7],
+        allocation_type=_enum("allocation_type", p.allocation_type),
+        location_type=_enum("location_type", p.location_type),
+        handle_type=_enum("handle_type", p.handle_type),
+        granularity=_enum("granularity", p.granularity),
+        gpu_direct_rdma=p.gpu_direct_rdma,
+        addr_hint=p.addr_hint,
+        addr_align=p.addr_align,
         peers=tuple(peers),
-        self_access=_enum("self_access", p[9]),
-        peer_access=_enum("peer_access", p[10]),
+        self_access=_enum("self_access", p.self_access),
+        peer_access=_enum("peer_access", p.peer_access),
     )
 
 
-def rebuild_resource(p: tuple, *, visible_peers_only: bool = False) -> VirtualMemoryResource:
-    """A ``VirtualMemoryResource`` on this process's ordinal of the same GPU (payload validated);
-    ``visible_peers_only`` as for :func:`rebuild_options`.
+def rebuild_options(payload: object) -> VirtualMemoryResourceOptions:
+    """Rebuild body of :func:`gpu_serde.wire.vmo`.
+
+    Raises:
+        PayloadError, DeviceNotVisibleError: as :func:`local_options`, or malformed.
+    """
+    return local_options(decode_options(payload))
+
+
+define(wire.vmo, "VirtualMemoryResourceOptions", rebuild_options, fallback=PayloadError)
+
+
+def local_resource(p: VmmPayload, *, visible_peers_only: bool = False) -> VirtualMemoryResource:
+    """A ``VirtualMemoryResource`` on this process's ordinal of the same GPU;
+    ``visible_peers_only`` as for :func:`local_options`.
 
     Raises:
         DeviceNotVisibleError: its GPU, or a peer, is not visible here.
         HandoffError: host memory, and this process sees no GPU.
         PayloadError: an option value this cuda.core does not know.
     """
-    _, dev_payload, opts = p
-    if dev_payload is None:  # host memory: any device carries the context
-        dev = memory.any_device()
+    if p.device is None:  # host memory: any device carries the context
+        dev = handoff.any_device()
     else:
-        inv = _inventory.cached or _inventory.inventory()
-        ordinal = inv.by_uuid.get(dev_payload[1:17])
+        ordinal = _inventory.local_ordinal(p.device[1:17])
         if ordinal is None:
-            raise wire.not_visible_error(decode_device(dev_payload), inv)
+            raise not_visible_error(decode_device(p.device), _inventory.inventory())
         dev = Device(ordinal)
-    return VirtualMemoryResource(dev, rebuild_options(opts, visible_peers_only=visible_peers_only))
+    return VirtualMemoryResource(
+        dev, local_options(p.options, visible_peers_only=visible_peers_only)
+    )
 
 
-def _check(call: str, result: tuple) -> Any:
+def rebuild_resource(payload: object) -> VirtualMemoryResource:
+    """Rebuild body of :func:`gpu_serde.wire.vmm`.
+
+    Raises:
+        PayloadError, DeviceNotVisibleError, HandoffError: as :func:`local_resource`.
+    """
+    return local_resource(decode_vmm(payload))
+
+
+define(wire.vmm, "VirtualMemoryResource", rebuild_resource)
+
+
+def _check(call: str, result: tuple[Any, ...]) -> Any:
     err = result[0]
     if err != driver.CUresult.CUDA_SUCCESS:
         raise HandoffError(f"{call} failed: {getattr(err, 'name', err)}")
@@ -216,8 +254,8 @@ def _export(ptr: int) -> int:
 
 
 def _let_go(fd_token: bytes, buf: Buffer) -> None:
-    fdshare.broker().revoke(fd_token)
-    memory._let_go(buf)
+    _broker.broker().revoke(fd_token)
+    handoff.let_go(buf)
 
 
 def _check_whole(ptr: int, size: int) -> None:
@@ -237,18 +275,7 @@ def _check_whole(ptr: int, size: int) -> None:
         )
 
 
-@contextlib.contextmanager
-def _context(dev: Device):
-    """Make ``dev`` current for the block, then restore the thread's previous context."""
-    prev = driver.cuCtxGetCurrent()[1]
-    dev.set_current()
-    try:
-        yield
-    finally:
-        driver.cuCtxSetCurrent(prev)
-
-
-def reduce_buffer(buf: Buffer, mr: VirtualMemoryResource) -> tuple:
+def reduce_buffer(buf: Buffer, mr: VirtualMemoryResource) -> tuple[Any, ...]:
     """Reducer body for a buffer of a ``VirtualMemoryResource``:
     ``(gpu_serde.wire.vbuf, (payload,))``; keeps ``buf`` alive for its importers.
 
@@ -266,33 +293,33 @@ def reduce_buffer(buf: Buffer, mr: VirtualMemoryResource) -> tuple:
             f"handle_type={_plain('handle_type', mr.config.handle_type)!r}, "
             f"location_type={_plain('location_type', mr.config.location_type)!r}"
         )
-    b = fdshare.broker()
-    with memory._lock:
-        sent = memory._sent.get(buf)
-        if sent is None or b.peek(sent[4]) is not buf:  # first time, or let go since
-            res = resource_payload(mr)  # before anything is offered: it may raise
-            ptr = int(buf.handle)
-            with _context(mr.device):
-                _check_whole(ptr, buf.size)
-                fd = _export(ptr)
-            try:
-                fd_token = b.offer(fd)
-            finally:
-                os.close(fd)
-            try:
-                hold = b.hold(buf, lambda obj: _let_go(fd_token, obj), grace=memory.RELEASE_GRACE_S)
-            except Exception:
-                b.revoke(fd_token)
-                raise
-            sent = (VERSION, res, memory.BOOT_ID, b.address, hold, buf.size, fd_token)
-            memory._sent[buf] = sent
-    return (wire.vbuf, (sent,))
+
+    def make() -> tuple[bytes, tuple[Any, ...]]:
+        b = _broker.broker()
+        res = resource_payload(mr)  # before anything is offered: it may raise
+        ptr = int(buf.handle)
+        with handoff.current(mr.device):
+            _check_whole(ptr, buf.size)
+            fd = _export(ptr)
+        try:
+            fd_token = b.offer(fd)
+        finally:
+            os.close(fd)
+        try:
+            hold = b.hold(buf, lambda obj: _let_go(fd_token, obj), grace=handoff.RELEASE_GRACE_S)
+        except Exception:
+            b.revoke(fd_token)
+            raise
+        p = VbufPayload(VERSION, res, handoff.BOOT_ID, b.address, hold, buf.size, fd_token)
+        return hold, p.wire()
+
+    return (wire.vbuf, (handoff.sent_payload(buf, make),))
 
 
-def _access(mr: VirtualMemoryResource) -> list:
+def _access(mr: VirtualMemoryResource) -> list[Any]:
     descs = []
-    owner = _ACCESS.get(_plain("self_access", mr.config.self_access))
-    peer = _ACCESS.get(_plain("peer_access", mr.config.peer_access))
+    owner = _ACCESS.get(_plain("self_access", mr.config.self_access) or "")
+    peer = _ACCESS.get(_plain("peer_access", mr.config.peer_access) or "")
     targets = [(mr.device.device_id, owner)] + [(int(x), peer) for x in mr.config.peers]
     for ordinal, flags in targets:
         if flags:
@@ -329,29 +356,33 @@ def _map(fd: int, size: int, mr: VirtualMemoryResource) -> int:
     return int(ptr)
 
 
-def rebuild_buffer(p: tuple) -> Buffer:
-    """The exporter's VMM buffer mapped here without a copy (payload already validated). Peers
-    this process cannot see are left out of the mapping's access (they are not in this process).
+def rebuild_buffer(payload: object) -> Buffer:
+    """Rebuild body of :func:`gpu_serde.wire.vbuf`: the exporter's VMM buffer mapped here without
+    a copy. Peers this process cannot see are left out of the mapping's access (they are not in
+    this process).
 
     Raises:
-        OtherHostError, ExporterGoneError, TokenRefusedError, HandoffError,
+        PayloadError, OtherHostError, ExporterGoneError, TokenRefusedError, HandoffError,
         DeviceNotVisibleError: why it could not be mapped.
     """
-    _, res, boot, address, hold, size, fd_token = p
-    d = decode_device(res[1])
-    memory._check_host(
-        boot, f"GPU memory from host {d.host!r} (pid {d.pid}, GPU {d.canonical_uuid})"
+    p = decode_vbuf(payload)
+    address, hold, size = p.address, p.hold, p.size
+    assert p.resource.device is not None  # decode_vbuf checked it
+    d = decode_device(p.resource.device)
+    handoff.check_host(
+        p.boot, f"GPU memory from host {d.host!r} (pid {d.pid}, GPU {d.canonical_uuid})"
     )
-    if fdshare.is_own(address):
-        held = fdshare.broker().peek(hold)
+    if _broker.is_own(address):
+        held = _broker.broker().peek(hold)
         if held is not None:
             return held  # back in the exporting process: the original buffer
-    mr = rebuild_resource(res, visible_peers_only=True)
-    fdshare.acquire(address, hold)
+    mr = local_resource(p.resource, visible_peers_only=True)
+    handoff.start_release_thread()
+    _broker.acquire(address, hold)
     ptr = None
     try:
         mr.device.set_current()
-        fd = fdshare.fetch(address, fd_token)
+        fd = _broker.fetch(address, p.fd_token)
         try:
             ptr = _map(fd, size, mr)
         finally:
@@ -362,9 +393,13 @@ def rebuild_buffer(p: tuple) -> Buffer:
             driver.cuMemUnmap(ptr, size)
             driver.cuMemAddressFree(ptr, size)
         with contextlib.suppress(Exception):
-            fdshare.release(address, hold)
+            _broker.release(address, hold)
         if isinstance(exc, HandoffError) and type(exc) is not HandoffError:
             raise  # a typed kind (ExporterGoneError, TokenRefusedError): as it is
         raise HandoffError(f"mapping the exported VMM buffer failed: {exc}") from exc
-    memory.track_import(buf, (wire.vbuf, (p,)), address, hold, mr.device.device_id)
+    handoff.hold_import(id(buf), address, hold, mr.device.device_id)
+    handoff.track_import(buf, (wire.vbuf, (payload,)))
     return buf
+
+
+define(wire.vbuf, "Buffer", rebuild_buffer)

@@ -17,9 +17,9 @@ from distributed import Client, Nanny, Scheduler, SpecCluster
 
 import gpu_serde
 import gpu_serde.dask
-from gpu_serde.reducers import reduce_device
+from gpu_serde import UnresolvedDevice
+from gpu_serde.device import reduce_device
 from gpu_serde.testing.clusters import dask_cli_cluster
-from gpu_serde.wire import UnresolvedDevice
 from helpers import env_without_driver
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -175,7 +175,9 @@ def test_devices_tokenize_by_uuid(simulated_gpus):
     gpu_serde.install()
     try:
         _, (payload,) = reduce_device(Device(1))
-        stranger = UnresolvedDevice(payload, None)  # the same GPU, as a CPU-only process holds it
+        stranger = UnresolvedDevice(
+            gpu_serde.wire.dev, payload, None
+        )  # the same GPU, as a CPU-only process holds it
         assert dask.base.tokenize(Device(1)) == dask.base.tokenize(stranger)
         assert dask.base.tokenize(Device(1)) != dask.base.tokenize(Device(2))
     finally:
@@ -201,3 +203,80 @@ def test_a_vmm_resource_reaches_rotated_workers_with_device_and_peers_by_uuid(da
     with pytest.raises(gpu_serde.DeviceNotVisibleError) as info:
         blind.result(timeout=60)
     assert info.value.uuid == uuids[2]
+
+
+# --- a bad payload reaches the caller as a PayloadError, and the cluster keeps serving ---------
+
+BAD = {
+    "malformed": ("dev", (b"\x01truncated",), "truncated"),
+    "wrong-arity": ("pool", (b"one", b"two"), "takes one payload, got 2"),
+    "future-version": ("buf", ((9, "fields of a newer gpu_serde"),), "version 9"),
+}
+
+
+def bad_object(name: str, args: tuple):
+    """A placeholder that pickles as ``gpu_serde.wire.<name>(*args)``: what a malformed,
+    wrong-arity or newer pickle from elsewhere carries (built wherever this runs)."""
+    return gpu_serde.UnresolvedObject("test", getattr(gpu_serde.wire, name), args, RuntimeError())
+
+
+def use(obj) -> object:
+    return gpu_serde.resolve(obj)
+
+
+def assert_still_serving(client, workers) -> None:
+    futures = [client.submit(lambda: 1, workers=[a], pure=False) for a in workers.values()]
+    assert client.gather(futures) == [1] * len(workers)
+
+
+@pytest.fixture(params=sorted(BAD))
+def bad(request):
+    name, args, says = BAD[request.param]
+    return bad_object(name, args), (name, args), says
+
+
+def test_a_bad_payload_as_a_task_argument_errs_the_future_with_payload_error(dask_cluster, bad):
+    client, workers, _ = dask_cluster
+    obj, _, says = bad
+    future = client.submit(use, obj, workers=[workers["w0"]], pure=False)
+    with pytest.raises(gpu_serde.PayloadError, match=says):
+        future.result(timeout=30)
+    assert_still_serving(client, workers)
+
+
+def test_a_bad_payload_scattered_to_a_worker_errs_the_task_that_uses_it(dask_cluster, bad):
+    client, workers, _ = dask_cluster
+    obj, _, says = bad
+    [scattered] = client.scatter([obj], workers=[workers["w1"]])
+    future = client.submit(use, scattered, workers=[workers["w1"]], pure=False)
+    with pytest.raises(gpu_serde.PayloadError, match=says):
+        future.result(timeout=30)
+    assert_still_serving(client, workers)
+
+
+def test_a_bad_payload_returned_by_a_task_reaches_the_client_as_a_placeholder(dask_cluster, bad):
+    client, workers, _ = dask_cluster
+    _, (name, args), says = bad
+    got = client.submit(bad_object, name, args, workers=[workers["w2"]], pure=False)
+    with pytest.raises(gpu_serde.PayloadError, match=says):
+        gpu_serde.resolve(got.result(timeout=30))
+    assert_still_serving(client, workers)
+
+
+def test_a_bad_result_fetched_by_another_worker_errs_the_dependent_future(dask_cluster, bad):
+    client, workers, _ = dask_cluster
+    _, (name, args), says = bad
+    made = client.submit(bad_object, name, args, workers=[workers["w0"]], pure=False)
+    future = client.submit(use, made, workers=[workers["w3"]], pure=False)
+    with pytest.raises(gpu_serde.PayloadError, match=says):
+        future.result(timeout=30)
+    assert_still_serving(client, workers)
+
+
+def test_a_bad_payload_from_client_run_reaches_the_client_as_a_placeholder(dask_cluster, bad):
+    client, workers, _ = dask_cluster
+    _, (name, args), says = bad
+    got = client.run(bad_object, name, args, workers=[workers["w1"]])
+    with pytest.raises(gpu_serde.PayloadError, match=says):
+        gpu_serde.resolve(got[workers["w1"]])
+    assert_still_serving(client, workers)

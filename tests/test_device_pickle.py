@@ -96,7 +96,7 @@ def test_the_dask_preload_keeps_a_users_strict_mode_and_warns(simulated_gpus):
     import logging
 
     import gpu_serde.dask
-    from gpu_serde import inventory, wire
+    from gpu_serde import inventory, registry
 
     class Lines(logging.Handler):
         def __init__(self) -> None:
@@ -111,7 +111,7 @@ def test_the_dask_preload_keeps_a_users_strict_mode_and_warns(simulated_gpus):
     gpu_serde.install(strict=True)
     try:
         gpu_serde.dask.dask_setup(object())  # as `dask scheduler --preload gpu_serde.dask` calls it
-        assert wire.strict is True
+        assert registry.flags.strict is True
         assert any("strict=True under Dask" in line for line in lines.lines)
     finally:
         logging.getLogger("gpu_serde").removeHandler(lines)

@@ -10,9 +10,15 @@ MODULES = [
     "gpu_serde.ray",
     "gpu_serde.dask",
     "gpu_serde.testing",
-    "gpu_serde.memory",
+    "gpu_serde.pools",
+    "gpu_serde.handoff",
+    "gpu_serde.placeholders",
+    "gpu_serde.registry",
+    "gpu_serde.wire",
+    "gpu_serde.text",
     "gpu_serde.vmm",
-    "gpu_serde.fdshare",
+    "gpu_serde.broker",
+    "gpu_serde.broker_client",
 ]
 
 

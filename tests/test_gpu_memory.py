@@ -18,7 +18,7 @@ import pytest
 from cuda.core import Device, DeviceMemoryResource, DeviceMemoryResourceOptions
 
 import gpu_serde
-from gpu_serde import memory
+from gpu_serde import handoff
 
 pytestmark = pytest.mark.gpu
 GiB = 1 << 30
@@ -47,7 +47,14 @@ def check(buf) -> dict:
     buf = gpu_serde.resolve(buf)
     words = cp.from_dlpack(buf).view(cp.uint32)
     ok = bool((words == cp.arange(words.size, dtype=cp.uint32)).all())
-    return {"ok": ok, "size": buf.size, "pid": os.getpid(), "device": buf.device_id}
+    pool = getattr(buf.memory_resource, "pool", buf.memory_resource)
+    return {
+        "ok": ok,
+        "size": buf.size,
+        "pid": os.getpid(),
+        "device": buf.device_id,
+        "pool uuid": str(pool.uuid),
+    }
 
 
 def check_in_queue(inbox, outbox) -> None:
@@ -92,7 +99,7 @@ def close_on_own_stream(inbox, outbox) -> None:
 @pytest.fixture(scope="module")
 def pool(real_gpu):
     gpu_serde.install()
-    memory.RELEASE_GRACE_S = 0.5  # this test waits for the pool to be let go
+    handoff.RELEASE_GRACE_S = 0.5  # this test waits for the pool to be let go
     d = Device(0)
     d.set_current()
     mr = DeviceMemoryResource(d, DeviceMemoryResourceOptions(ipc_enabled=True, max_size=8 * GiB))
@@ -254,3 +261,16 @@ def test_a_receiver_closing_a_buffer_on_its_stream_releases_it_and_cannot_send_i
     finally:
         inbox.put("done")
         child.join(60)
+
+
+def test_a_received_pool_keeps_the_senders_pool_uuid_as_cuda_cores_own_path_does(pool, real_gpu):
+    buf = pool.allocate(1 << 20, stream=Device(0).default_stream)
+    fill(buf)
+    ctx = multiprocessing.get_context("spawn")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=check_in_queue, args=(inbox, outbox))
+    child.start()
+    inbox.put(buf)
+    got = outbox.get(timeout=120)
+    child.join(60)
+    assert got["ok"] and got["pool uuid"] == str(pool.uuid) != "None"

@@ -25,8 +25,8 @@ from cuda.core import (
 )
 
 import gpu_serde
-from gpu_serde import memory
-from gpu_serde.fdshare import broker
+from gpu_serde import handoff
+from gpu_serde.broker import broker
 
 pytestmark = pytest.mark.gpu
 MiB, GiB = 1 << 20, 1 << 30
@@ -103,7 +103,7 @@ def in_child(job, holder: list, uuid: str, monkeypatch, then=None) -> tuple[dict
 @pytest.fixture
 def installed(real_gpu, monkeypatch):
     gpu_serde.install()
-    monkeypatch.setattr(memory, "RELEASE_GRACE_S", 0.5)
+    monkeypatch.setattr(handoff, "RELEASE_GRACE_S", 0.5)
     Device(0).set_current()
     yield real_gpu
     gpu_serde.uninstall()

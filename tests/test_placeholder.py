@@ -85,7 +85,7 @@ def test_the_error_survives_pickling_with_its_fields(placeholder):
 
 
 def test_strict_mode_raises_at_unpickling(simulated_gpus):
-    blob = pickle.dumps(UnresolvedDevice(ELSEWHERE, inventory()))
+    blob = pickle.dumps(UnresolvedDevice(dev, ELSEWHERE, inventory()))
     gpu_serde.install(strict=True)
     try:
         with pytest.raises(DeviceNotVisibleError, match="deadbeef"):

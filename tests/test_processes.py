@@ -110,7 +110,7 @@ except gpu_serde.DeviceNotVisibleError as exc:
 
 def test_a_process_that_never_installed_still_unpickles_and_sends_on_by_uuid(installed, sim_env):
     code = """
-from gpu_serde.reducers import is_installed
+from gpu_serde.registry import is_installed
 before = is_installed()
 d = pickle.loads(data)
 report(before=before, ordinal=d.device_id, after=is_installed(), resent=b"gpu_serde" in pickle.dumps(d))

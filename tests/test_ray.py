@@ -151,7 +151,7 @@ def test_a_vmm_resource_and_its_peers_reach_a_task_by_uuid(cluster):
 def test_the_worker_hook_leaves_gpu_assignment_to_ray(cluster):
     @ray.remote(num_gpus=1, max_retries=0)
     def what_cuda_sees() -> tuple:
-        from gpu_serde.reducers import is_installed
+        from gpu_serde.registry import is_installed
 
         hooked = is_installed()  # nothing was unpickled yet: only the hook can have installed it
         return (
@@ -326,3 +326,69 @@ def test_a_driver_without_any_cuda_driver_forwards_devices_untouched(cluster):
     assert got["mine"] in cluster["b"]
     assert got["there"] == bare(got["mine"])  # and a task on the GPU's node resolves it
     assert "not visible" in got["repr"]
+
+
+# --- a bad payload reaches the caller as a PayloadError, and the worker keeps serving ---------
+
+BAD = {
+    "malformed": ("dev", (b"\x01truncated",), "truncated"),
+    "wrong-arity": ("pool", (b"one", b"two"), "takes one payload, got 2"),
+    "future-version": ("buf", ((9, "fields of a newer gpu_serde"),), "version 9"),
+}
+
+
+def bad_object(name: str, args: tuple):
+    """A placeholder that pickles as ``gpu_serde.wire.<name>(*args)``."""
+    return gpu_serde.UnresolvedObject("test", getattr(gpu_serde.wire, name), args, RuntimeError())
+
+
+@ray.remote(num_cpus=0)
+def make_bad(name: str, args: tuple):
+    return bad_object(name, args)
+
+
+@ray.remote(num_cpus=0)
+def use(obj) -> object:
+    return gpu_serde.resolve(obj)
+
+
+@ray.remote(num_cpus=0)
+def ping() -> int:
+    return 1
+
+
+@pytest.fixture(params=sorted(BAD))
+def bad(request):
+    return BAD[request.param]
+
+
+def test_a_bad_payload_as_a_task_argument_raises_a_catchable_payload_error(cluster, bad):
+    name, args, says = bad
+    with pytest.raises(gpu_serde.PayloadError, match=says):
+        ray.get(use.options(**on("a")).remote(bad_object(name, args)), timeout=60)
+    assert ray.get(ping.options(**on("a")).remote(), timeout=60) == 1
+
+
+def test_a_bad_payload_put_in_the_object_store_raises_where_it_is_used(cluster, bad):
+    name, args, says = bad
+    ref = ray.put(bad_object(name, args))
+    with pytest.raises(gpu_serde.PayloadError, match=says):
+        gpu_serde.resolve(ray.get(ref, timeout=60))
+    with pytest.raises(gpu_serde.PayloadError, match=says):
+        ray.get(use.options(**on("b")).remote(ref), timeout=60)
+    assert ray.get(ping.options(**on("b")).remote(), timeout=60) == 1
+
+
+def test_a_bad_payload_returned_by_a_task_reaches_the_driver_as_a_placeholder(cluster, bad):
+    name, args, says = bad
+    got = ray.get(make_bad.options(**on("a")).remote(name, args), timeout=60)
+    with pytest.raises(gpu_serde.PayloadError, match=says):
+        gpu_serde.resolve(got)
+
+
+def test_a_bad_result_passed_on_to_another_task_raises_a_catchable_payload_error(cluster, bad):
+    name, args, says = bad
+    made = make_bad.options(**on("a")).remote(name, args)
+    with pytest.raises(gpu_serde.PayloadError, match=says):
+        ray.get(use.options(**on("b")).remote(made), timeout=60)
+    assert ray.get(ping.options(**on("b")).remote(), timeout=60) == 1

@@ -1,4 +1,4 @@
-"""The descriptor broker: hands file descriptors to other processes of the same user on this host.
+"""The descriptor broker (was ``fdshare``): hands file descriptors to same-user processes here.
 
 One broker per exporting process, started on first use: a daemon thread serving an abstract Unix
 socket. A peer asks with a 128-bit token; the broker answers only peers of the same uid
@@ -22,43 +22,34 @@ import contextlib
 import os
 import secrets
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
-from gpu_serde.errors import ExporterGoneError, TokenRefusedError
+from gpu_serde.broker_client import (
+    ACQUIRE,
+    FETCH,
+    NO,
+    NOSIGNAL,
+    OK,
+    RELEASE,
+    TOKEN_BYTES,
+    acquire,
+    disconnect,
+    fetch,
+    peer_credentials,
+    recv_by,
+    release,
+)
 
-TOKEN_BYTES = 16
-ADDRESS_MAX = 100  # abstract socket names stay well under the 107-byte limit
-_FETCH = b"F"
-_ACQUIRE = b"A"
-_RELEASE = b"R"
-_OK = b"K"
-_NO = b"N"
-_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+__all__ = ["Broker", "acquire", "broker", "disconnect", "fetch", "is_own", "release"]
 
-_NOSIGNAL = socket.MSG_NOSIGNAL  # a closed peer is an error, never a SIGPIPE
-
-#: Idle connections a client keeps open for reuse, over all brokers (the most recently used).
-MAX_IDLE = 8
 #: Seconds a broker keeps a silent connection open.
 IDLE_S = 60.0
-
-
-def _peer(sock: socket.socket) -> tuple[int, int]:
-    pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
-    return pid, uid
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            break
-        data += chunk
-    return data
+#: Seconds a request may take from its first byte to its last (a slow peer holds a broker thread
+#: at most this long per request, however it paces its bytes).
+REQUEST_S = 1.0
 
 
 class Broker:
@@ -68,7 +59,7 @@ class Broker:
         self._lock = threading.Lock()
         self._fds: dict[bytes, int] = {}
         # token -> [object, live importers, ever acquired, on_release, grace s, let go at]
-        self._holds: dict[bytes, list] = {}
+        self._holds: dict[bytes, list[Any]] = {}
         self._closed = False
         self._conns: dict[socket.socket, threading.Thread] = {}  # connections being served
         self._due = threading.Event()  # an object's last importer released it
@@ -227,7 +218,7 @@ class Broker:
     def _handle(self, conn: socket.socket) -> None:
         try:
             with conn, contextlib.suppress(OSError):
-                _, uid = _peer(conn)
+                _, uid = peer_credentials(conn)
                 if uid != os.getuid():
                     return  # other users get nothing, not even an answer
                 while self._answer(conn):
@@ -238,31 +229,32 @@ class Broker:
 
     def _answer(self, conn: socket.socket) -> bool:
         """Answer one request on ``conn``; False when the connection is done (the peer hung up or
-        sent a malformed request). Raises ``TimeoutError`` after :data:`IDLE_S` of silence."""
+        sent a malformed request). Raises ``TimeoutError`` after :data:`IDLE_S` of silence, or
+        when a request is not complete :data:`REQUEST_S` after its first byte."""
         conn.settimeout(IDLE_S)
         request = conn.recv(1 + TOKEN_BYTES)
         if not request:
             return False
-        if len(request) < 1 + TOKEN_BYTES:
-            conn.settimeout(1.0)  # a peer silent mid-request never holds its thread for long
-            request += _recv_exact(conn, 1 + TOKEN_BYTES - len(request))
+        if len(request) < 1 + TOKEN_BYTES:  # the rest must come within one deadline
+            deadline = time.monotonic() + REQUEST_S
+            request = recv_by(conn, request, 1 + TOKEN_BYTES, deadline)
         op, token = request[:1], request[1:]
-        if len(request) != 1 + TOKEN_BYTES or op not in (_FETCH, _ACQUIRE, _RELEASE):
-            conn.sendall(_NO, _NOSIGNAL)
+        if len(request) != 1 + TOKEN_BYTES or op not in (FETCH, ACQUIRE, RELEASE):
+            conn.sendall(NO, NOSIGNAL)
             return False  # the framing is lost: the peer reconnects
-        if op != _FETCH:
-            counted = self._count(token, 1 if op == _ACQUIRE else -1)
-            conn.sendall(_OK if counted else _NO, _NOSIGNAL)
+        if op != FETCH:
+            counted = self._count(token, 1 if op == ACQUIRE else -1)
+            conn.sendall(OK if counted else NO, NOSIGNAL)
             return True
         with self._lock:
             fd = self._fds.get(token)
             if fd is not None:
                 fd = os.dup(fd)  # survives a concurrent revoke while it is sent
         if fd is None:
-            conn.sendall(_NO, _NOSIGNAL)
+            conn.sendall(NO, NOSIGNAL)
             return True
         try:
-            socket.send_fds(conn, [_OK], [fd], _NOSIGNAL)
+            socket.send_fds(conn, [OK], [fd], NOSIGNAL)
         finally:
             os.close(fd)
         return True
@@ -271,24 +263,11 @@ class Broker:
 _broker: Broker | None = None
 _broker_lock = threading.Lock()
 
-# The client's connections: idle ones by broker address, in order of last use (oldest first).
-_idle: dict[str, list[socket.socket]] = {}
-_open: set[socket.socket] = set()  # every connection this process has open, idle or in use
-_pool_lock = threading.Lock()
-
 
 def _forget_after_fork() -> None:
-    """A forked child serves nothing of its parent's and shares none of its connections: close
-    the inherited sockets and descriptors (the parent's stay open), forget the held objects; a new
-    broker and new connections start on use."""
-    global _broker, _broker_lock, _pool_lock
-    _pool_lock = threading.Lock()
-    conns = list(_open)
-    _idle.clear()
-    _open.clear()
-    for sock in conns:
-        with contextlib.suppress(OSError):
-            sock.close()
+    """A forked child serves nothing of its parent's: close the inherited listening socket and
+    descriptors (the parent's stay open), forget the held objects; a new broker starts on use."""
+    global _broker, _broker_lock
     inherited, _broker, _broker_lock = _broker, None, threading.Lock()
     if inherited is not None:
         inherited._lock, inherited._due = threading.Lock(), threading.Event()  # unheld copies
@@ -314,189 +293,3 @@ def is_own(address: str) -> bool:
     """True when ``address`` is this process's broker (a started one)."""
     b = _broker
     return b is not None and b.address == address
-
-
-def _take(address: str) -> socket.socket | None:
-    with _pool_lock:
-        idle = _idle.get(address)
-        if not idle:
-            return None
-        sock = idle.pop()
-        if not idle:
-            del _idle[address]
-        return sock
-
-
-def _close(sock: socket.socket) -> None:
-    with _pool_lock:
-        _open.discard(sock)
-    sock.close()
-
-
-def _keep(address: str, sock: socket.socket) -> None:
-    """Put ``sock`` back for reuse; close the least recently used beyond :data:`MAX_IDLE`."""
-    surplus = []
-    with _pool_lock:
-        if sock not in _open:  # forgotten after a fork while in use: not ours to keep
-            surplus.append(sock)
-        else:
-            _idle[address] = [*_idle.pop(address, []), sock]  # to the end: used last
-            extra = sum(map(len, _idle.values())) - MAX_IDLE
-            while extra > 0:
-                oldest = next(iter(_idle))
-                surplus.append(_idle[oldest].pop(0))
-                if not _idle[oldest]:
-                    del _idle[oldest]
-                extra -= 1
-            _open.difference_update(surplus)
-    for s in surplus:
-        s.close()
-
-
-def disconnect() -> None:
-    """Close this process's idle connections to brokers (new requests connect again)."""
-    with _pool_lock:
-        socks = [s for idle in _idle.values() for s in idle]
-        _idle.clear()
-        _open.difference_update(socks)
-    for s in socks:
-        s.close()
-
-
-def _connect(address: str, deadline: float) -> socket.socket:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        while True:
-            sock.settimeout(max(0.01, deadline - time.monotonic()))
-            try:
-                sock.connect("\0" + address[1:])
-                break
-            except BlockingIOError:  # the broker's backlog is full: it is busy, not gone
-                if time.monotonic() >= deadline:
-                    raise TimeoutError from None
-                time.sleep(0.01)
-            except TimeoutError:
-                raise
-            except OSError as exc:
-                raise ExporterGoneError(
-                    f"the exporting process's descriptor broker {address} is gone "
-                    f"({exc.strerror or exc}): the exporter exited, or lives in another network "
-                    "namespace (container)"
-                ) from None
-        pid, uid = _peer(sock)
-        if uid != os.getuid():
-            raise ExporterGoneError(
-                f"{address} is served by uid {uid} (pid {pid}), not by this user: "
-                "not gpu_serde's broker"
-            )
-    except BaseException:
-        sock.close()
-        raise
-    with _pool_lock:
-        _open.add(sock)
-    return sock
-
-
-def _request(address: str, op: bytes, token: bytes, timeout: float) -> tuple[bytes, list[int]]:
-    if (
-        not address.startswith("@")
-        or not address.isascii()
-        or len(address) > ADDRESS_MAX
-        or len(token) != TOKEN_BYTES
-    ):
-        raise ValueError("a broker address is '@name' (ASCII) and a token 16 bytes")
-    deadline = time.monotonic() + timeout
-    sock = _take(address)
-    answered = False
-    try:
-        while True:
-            reused = sock is not None
-            if sock is None:
-                sock = _connect(address, deadline)
-            sock.settimeout(max(0.01, deadline - time.monotonic()))
-            try:
-                sock.sendall(op + token, _NOSIGNAL)
-                msg, fds, _, _ = socket.recv_fds(sock, 1, 1)
-            except (BrokenPipeError, ConnectionResetError):
-                if not reused:
-                    raise
-                msg, fds = b"", []
-            if msg or fds or not reused:
-                break
-            _close(sock)  # the broker closed it while idle (or exited): no request was read
-            sock = None
-        if not msg:
-            for fd in fds:
-                os.close(fd)
-            raise ExporterGoneError(
-                f"the descriptor broker {address} hung up without answering: it is closing, or "
-                "this process runs as another user"
-            )
-        answered = True
-    except TimeoutError:
-        raise ExporterGoneError(
-            f"the descriptor broker {address} did not answer within {timeout} s"
-        ) from None
-    except ExporterGoneError:
-        raise
-    except OSError as exc:  # reset or broken pipe: the exporter went away mid-request
-        raise ExporterGoneError(
-            f"the descriptor broker {address} hung up ({exc.strerror or exc})"
-        ) from None
-    finally:
-        if sock is not None and not answered:
-            _close(sock)  # a request without an answer leaves the connection in an unknown state
-    if answered:
-        _keep(address, sock)
-    return msg, fds
-
-
-def acquire(address: str, token: bytes, *, timeout: float = 1.0) -> None:
-    """Tell the exporter an importer now uses the object held under ``token``.
-
-    Raises:
-        ExporterGoneError: as :func:`fetch`.
-        TokenRefusedError: the exporter no longer holds it (its last importer released it).
-    """
-    msg, fds = _request(address, _ACQUIRE, token, timeout)
-    for fd in fds:
-        os.close(fd)
-    if msg != _OK:
-        raise TokenRefusedError(
-            f"the exporter ({address}) no longer holds this object: every earlier importer "
-            "released it; send it again from the exporter"
-        )
-
-
-def release(address: str, token: bytes, *, timeout: float = 1.0) -> bool:
-    """Tell the exporter one importer let go of the object held under ``token``; True if the
-    exporter counted it. Never raises for a vanished exporter (nothing is left to release)."""
-    try:
-        msg, fds = _request(address, _RELEASE, token, timeout)
-    except ExporterGoneError:
-        return False
-    for fd in fds:
-        os.close(fd)
-    return msg == _OK
-
-
-def fetch(address: str, token: bytes, *, timeout: float = 1.0) -> int:
-    """Ask the broker at ``address`` for the descriptor behind ``token``; the caller owns (and
-    closes) the returned descriptor.
-
-    Raises:
-        ExporterGoneError: nothing listens at ``address``, the broker belongs to another user,
-            hung up without answering (it is closing, or this process runs as another user), or
-            did not answer within ``timeout`` seconds.
-        TokenRefusedError: the broker refused the token (unknown or revoked).
-        ValueError: ``address`` or ``token`` is malformed.
-    """
-    msg, fds = _request(address, _FETCH, token, timeout)
-    if msg == _OK and len(fds) == 1:
-        return fds[0]
-    for fd in fds:
-        os.close(fd)
-    raise TokenRefusedError(
-        f"the descriptor broker {address} refused the request: the export was released, or the "
-        "token is wrong"
-    )

@@ -10,13 +10,14 @@ import time
 
 import pytest
 
-from gpu_serde import fdshare
+from gpu_serde import broker as server
+from gpu_serde import broker_client
+from gpu_serde.broker import Broker, acquire, disconnect, fetch, release
 from gpu_serde.errors import ExporterGoneError, TokenRefusedError
-from gpu_serde.fdshare import Broker, acquire, disconnect, fetch, release
 
 EXPORTER = """
 import os, sys
-from gpu_serde.fdshare import broker
+from gpu_serde.broker import broker
 fd = os.memfd_create("exported")
 os.write(fd, b"hello from the exporter")
 token = broker().offer(fd)
@@ -173,15 +174,15 @@ def test_a_killed_exporter_behind_a_kept_connection_is_reported_within_a_second(
 
 
 def test_a_connection_the_broker_closed_while_idle_is_reopened_and_counts_once(monkeypatch):
-    monkeypatch.setattr(fdshare, "IDLE_S", 0.2)
+    monkeypatch.setattr(server, "IDLE_S", 0.2)
     b = Broker()
     try:
         token = b.hold("a buffer", lambda obj: None)
         acquire(b.address, token)
-        (kept,) = fdshare._idle[b.address]
+        (kept,) = broker_client._idle[b.address]
         time.sleep(0.5)  # the broker closes the silent connection
         acquire(b.address, token)  # over a new one
-        assert fdshare._idle[b.address] != [kept]
+        assert broker_client._idle[b.address] != [kept]
         assert release(b.address, token)
         assert release(b.address, token)
         assert not release(b.address, token)  # two acquires counted, no more
@@ -206,7 +207,7 @@ def test_a_slow_release_callback_delays_no_reply():
 
 def test_a_process_keeps_at_most_max_idle_connections():
     disconnect()
-    brokers = [Broker() for _ in range(fdshare.MAX_IDLE + 3)]
+    brokers = [Broker() for _ in range(broker_client.MAX_IDLE + 3)]
     fd = os.memfd_create("x")
     try:
         tokens = [b.offer(fd) for b in brokers]
@@ -214,7 +215,10 @@ def test_a_process_keeps_at_most_max_idle_connections():
         for b, token in zip(brokers, tokens, strict=True):
             os.close(fetch(b.address, token))
         # both ends live in this process: the client's and the broker's
-        assert wait_for_fds("self", before + 2 * fdshare.MAX_IDLE) == before + 2 * fdshare.MAX_IDLE
+        assert (
+            wait_for_fds("self", before + 2 * broker_client.MAX_IDLE)
+            == before + 2 * broker_client.MAX_IDLE
+        )
         disconnect()
         assert wait_for_fds("self", before) == before
     finally:
@@ -313,19 +317,19 @@ def test_an_object_never_imported_stays_held_and_release_without_acquire_is_refu
 def test_a_forked_child_leaves_its_parents_broker_serving():
     fd = os.memfd_create("exported")
     os.write(fd, b"still here")
-    token = fdshare.broker().offer(fd)
+    token = server.broker().offer(fd)
     os.close(fd)
     pid = os.fork()  # Ray, Dask and multiprocessing fork helpers; the child drops its copy
     if pid == 0:
-        os._exit(0 if fdshare._broker is None else 1)
+        os._exit(0 if server._broker is None else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0  # the child forgot the inherited broker
-    got = fetch(fdshare.broker().address, token)
+    got = fetch(server.broker().address, token)
     try:
         assert os.pread(got, 10, 0) == b"still here"  # the parent's broker still answers
     finally:
         os.close(got)
-        fdshare.broker().revoke(token)
+        server.broker().revoke(token)
 
 
 def test_a_forked_child_opens_its_own_connections(exporter):
@@ -334,7 +338,7 @@ def test_a_forked_child_opens_its_own_connections(exporter):
     pid = os.fork()
     if pid == 0:  # never returns into pytest
         try:
-            ok = not fdshare._idle  # the parent's connection is not the child's to use
+            ok = not broker_client._idle  # the parent's connection is not the child's to use
             for _ in range(50):
                 os.close(fetch(address, token))
         except BaseException:
@@ -344,3 +348,30 @@ def test_a_forked_child_opens_its_own_connections(exporter):
         os.close(fetch(address, token))
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_peer_that_trickles_its_request_is_cut_off_at_one_deadline(monkeypatch):
+    """A peer sending one byte just under every read timeout must not hold a broker thread for
+    the whole request: the request has one deadline (REQUEST_S) from its first byte."""
+    import socket
+
+    monkeypatch.setattr(server, "REQUEST_S", 0.3)
+    b = Broker()
+    try:
+        peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        peer.connect("\0" + b.address[1:])
+        peer.settimeout(5)
+        sent = 0
+        try:
+            for _ in range(17):  # op + 16-byte token, one byte at a time, 0.1 s apart
+                peer.send(b"F")
+                sent += 1
+                time.sleep(0.1)
+            answer = peer.recv(1)
+        except OSError:  # the broker hung up on us mid-request
+            answer = b""
+        peer.close()
+        assert answer == b""  # never answered: the connection was closed
+        assert sent < 17  # ... before the trickled request was complete
+    finally:
+        b.close()

@@ -1,0 +1,80 @@
+"""The private names of other libraries that gpu_serde relies on, in one place.
+
+Each is looked up by feature, not by version. If a later release moves one, the function here
+fails with a message that names what is missing and which versions are known to work, instead of
+an ``AttributeError`` deep inside a pickler.
+
+cuda.core ships no type information (no ``py.typed``): its classes are ``Any`` to mypy, which is
+configured once, in ``pyproject.toml`` (``[tool.mypy]``), not by ignores scattered in the code.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpu_serde.errors import CompatibilityError
+
+KNOWN_GOOD = "cuda-core 1.2 and Python 3.10 to 3.13"
+
+
+def forking_reducers() -> dict[type, Any]:
+    """``multiprocessing``'s table of extra reducers (``ForkingPickler._extra_reducers``).
+
+    gpu_serde registers through the public ``ForkingPickler.register`` and reads this table only to
+    save and restore the reducers it replaces (cuda.core's own ordinal-based ones).
+
+    Raises:
+        CompatibilityError: this Python's multiprocessing has no such table.
+    """
+    from multiprocessing.reduction import ForkingPickler
+
+    table = getattr(ForkingPickler, "_extra_reducers", None)
+    if not isinstance(table, dict):
+        raise CompatibilityError(
+            "multiprocessing.reduction.ForkingPickler has no _extra_reducers table in this Python: "
+            f"gpu_serde cannot replace cuda.core's reducers there (known to work: {KNOWN_GOOD})"
+        )
+    return table
+
+
+def ipc_buffer_descriptor(reserved: bytes, size: int) -> Any:
+    """cuda.core's ``IPCBufferDescriptor`` for a buffer's 64 exported bytes and size.
+
+    cuda.core 1.2 has no public constructor for it (it pickles the descriptor as these bytes).
+
+    Raises:
+        CompatibilityError: the installed cuda.core has no ``IPCBufferDescriptor._init``.
+    """
+    try:
+        from cuda.core._memory._ipc import IPCBufferDescriptor
+
+        init = IPCBufferDescriptor._init
+    except (ImportError, AttributeError) as exc:
+        raise CompatibilityError(
+            "the installed cuda.core has no cuda.core._memory._ipc.IPCBufferDescriptor._init, "
+            f"which gpu_serde needs to map a received buffer (known to work: {KNOWN_GOOD}): {exc}"
+        ) from None
+    return init(reserved, size)
+
+
+def allocation_handle(fd: int, pool_uuid: bytes) -> Any:
+    """cuda.core's ``IPCAllocationHandle`` for an imported pool's descriptor ``fd``, named by the
+    exporting pool's UUID: importing through it keeps ``mr.uuid`` as the sender's (as cuda.core's
+    own multiprocessing path does) and registers the pool in cuda.core's registry. The handle owns
+    ``fd`` from then on (closing the handle closes it).
+
+    Raises:
+        CompatibilityError: the installed cuda.core has no ``IPCAllocationHandle._init``.
+    """
+    import uuid
+
+    try:
+        from cuda.core._memory._ipc import IPCAllocationHandle
+
+        init = IPCAllocationHandle._init
+    except (ImportError, AttributeError) as exc:
+        raise CompatibilityError(
+            "the installed cuda.core has no cuda.core._memory._ipc.IPCAllocationHandle._init, "
+            f"which gpu_serde needs to import a received pool (known to work: {KNOWN_GOOD}): {exc}"
+        ) from None
+    return init(fd, uuid.UUID(bytes=pool_uuid))

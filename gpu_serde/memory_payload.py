@@ -1,0 +1,242 @@
+"""Memory payloads: pools, buffers and VMM resources, as plain tuples on the wire.
+
+On the wire each is a plain ``tuple`` (never a nested pickle, never a named tuple, whose class a
+pickle would have to name); each decodes, once validated, into the named tuple below. The fields,
+in wire order::
+
+    pool     (1, device payload | None (pinned host pool), boot_id, broker address, token, pool id)
+    buffer   (1, pool, IPC descriptor (64 bytes), size, token)
+    options  (1, allocation_type, location_type, handle_type, granularity, gpu_direct_rdma,
+              addr_hint, addr_align, peers (device payloads), self_access, peer_access)
+    vmm      (1, device payload | None (host memory), options)
+    vbuf     (1, vmm, boot_id, broker address, hold token, size, descriptor token)
+
+Every validator raises :class:`~gpu_serde.PayloadError` for anything else.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from gpu_serde.payload import VERSION, fail, validate_device, version_error
+
+ADDRESS_MAX = 100
+IPC_DESCRIPTOR_BYTES = 64  # cuMemPoolExportPointer's opaque data: the driver reads all 64
+MAX_PEERS = 64
+_OPTION_TEXT = 32  # longest enum value accepted in VMM options
+_WORD = range(1, _OPTION_TEXT + 1)
+
+
+class PoolPayload(NamedTuple):
+    """An IPC-enabled pool: its GPU (None: pinned host memory), host, broker and ids."""
+
+    version: int
+    device: bytes | None
+    boot: bytes
+    address: str
+    token: bytes
+    pool: bytes
+
+    def wire(self) -> tuple[Any, ...]:
+        """The plain tuple that travels."""
+        return tuple(self)
+
+
+class BufferPayload(NamedTuple):
+    """A buffer of an IPC-enabled pool: the pool, cuda.core's 64 exported bytes, size, hold."""
+
+    version: int
+    pool: PoolPayload
+    reserved: bytes
+    size: int
+    token: bytes
+
+    def wire(self) -> tuple[Any, ...]:
+        """The plain tuple that travels."""
+        return (self.version, self.pool.wire(), self.reserved, self.size, self.token)
+
+
+class OptionsPayload(NamedTuple):
+    """``VirtualMemoryResourceOptions``: enum fields as strings (or None), peers by UUID."""
+
+    version: int
+    allocation_type: str | None
+    location_type: str | None
+    handle_type: str | None
+    granularity: str | None
+    gpu_direct_rdma: bool
+    addr_hint: int | None
+    addr_align: int | None
+    peers: tuple[bytes, ...]
+    self_access: str | None
+    peer_access: str | None
+
+    def wire(self) -> tuple[Any, ...]:
+        """The plain tuple that travels."""
+        return tuple(self)
+
+
+class VmmPayload(NamedTuple):
+    """A ``VirtualMemoryResource``: its GPU (None: host memory) and its options."""
+
+    version: int
+    device: bytes | None
+    options: OptionsPayload
+
+    def wire(self) -> tuple[Any, ...]:
+        """The plain tuple that travels."""
+        return (self.version, self.device, self.options.wire())
+
+
+class VbufPayload(NamedTuple):
+    """A ``VirtualMemoryResource`` buffer: its resource, host, broker, tokens and size."""
+
+    version: int
+    resource: VmmPayload
+    boot: bytes
+    address: str
+    hold: bytes
+    size: int
+    fd_token: bytes
+
+    def wire(self) -> tuple[Any, ...]:
+        """The plain tuple that travels."""
+        return (
+            self.version,
+            self.resource.wire(),
+            self.boot,
+            self.address,
+            self.hold,
+            self.size,
+            self.fd_token,
+        )
+
+
+def _fields(kind: str, p: object, n: int) -> tuple[Any, ...]:
+    """``p`` as a tuple of ``n`` fields whose first is this version, or a PayloadError."""
+    if type(p) is not tuple or not p:
+        raise fail(f"a {kind} payload is a tuple of {n} fields", p)
+    if type(p[0]) is not int or p[0] != VERSION:
+        raise version_error(kind, p[0], p)
+    if len(p) != n:
+        raise fail(f"a {kind} payload is a tuple of {n} fields", p)
+    return p
+
+
+def _id16(value: object) -> bool:
+    return type(value) is bytes and len(value) == 16
+
+
+def validate_exporter(boot: object, address: object, p: object) -> None:
+    """Check the exporter's host (``boot_id``) and broker address fields of payload ``p``.
+
+    Raises:
+        PayloadError: either is malformed.
+    """
+    if not _id16(boot):
+        raise fail("the host's boot id must be 16 bytes", p)
+    if (
+        type(address) is not str
+        or not address.startswith("@")
+        or not address.isascii()
+        or not address.isprintable()
+        or len(address) > ADDRESS_MAX
+    ):
+        raise fail("the broker address must be '@name' (printable ASCII, at most 100 chars)", p)
+
+
+def decode_pool(p: object) -> PoolPayload:
+    """Validate a pool payload and return it as a :class:`PoolPayload`.
+
+    Raises:
+        PayloadError: anything but a well-formed pool payload of this version.
+    """
+    _, dev, boot, address, token, pool = _fields("pool", p, 6)
+    if dev is not None:
+        validate_device(dev)
+    validate_exporter(boot, address, p)
+    if not _id16(token) or not _id16(pool):
+        raise fail("the token and the pool id must be 16 bytes each", p)
+    return PoolPayload(VERSION, dev, boot, address, token, pool)
+
+
+def decode_buffer(p: object) -> BufferPayload:
+    """Validate a buffer payload and return it as a :class:`BufferPayload`.
+
+    Raises:
+        PayloadError: anything but a well-formed buffer payload of this version.
+    """
+    _, pool, reserved, size, token = _fields("buffer", p, 5)
+    pool_p = decode_pool(pool)
+    if type(reserved) is not bytes or len(reserved) != IPC_DESCRIPTOR_BYTES:
+        raise fail(f"the IPC descriptor must be {IPC_DESCRIPTOR_BYTES} bytes", p)
+    if type(size) is not int or not 0 < size < 1 << 62:
+        raise fail("the size must be a positive int", p)
+    if not _id16(token):
+        raise fail("the token must be 16 bytes", p)
+    return BufferPayload(VERSION, pool_p, reserved, size, token)
+
+
+def _word(value: object) -> bool:
+    return value is None or (
+        type(value) is str
+        and value.isascii()
+        and value.isprintable()
+        and 0 < len(value) <= _OPTION_TEXT
+    )
+
+
+def _address_int(value: object, low: int) -> bool:
+    return value is None or (type(value) is int and low <= value < 1 << 64)
+
+
+def decode_options(p: object) -> OptionsPayload:
+    """Validate a ``VirtualMemoryResourceOptions`` payload: enum fields as short strings or None,
+    peers a tuple of device payloads.
+
+    Raises:
+        PayloadError: anything else.
+    """
+    _, *words, rdma, hint, align, peers, own, peer = _fields("VirtualMemoryResourceOptions", p, 11)
+    if not all(_word(w) for w in (*words, own, peer)):
+        raise fail(f"option values must be strings of at most {_OPTION_TEXT} characters", p)
+    if type(rdma) is not bool or not _address_int(hint, 0) or not _address_int(align, 1):
+        raise fail("gpu_direct_rdma must be a bool, addr_hint and addr_align ints or None", p)
+    if type(peers) is not tuple or len(peers) > MAX_PEERS:
+        raise fail(f"peers must be a tuple of at most {MAX_PEERS} device payloads", p)
+    for d in peers:
+        validate_device(d)
+    alloc, location, handle, granularity = words
+    return OptionsPayload(
+        VERSION, alloc, location, handle, granularity, rdma, hint, align, peers, own, peer
+    )
+
+
+def decode_vmm(p: object) -> VmmPayload:
+    """Validate a ``VirtualMemoryResource`` payload.
+
+    Raises:
+        PayloadError: anything else.
+    """
+    _, dev, options = _fields("VirtualMemoryResource", p, 3)
+    if dev is not None:
+        validate_device(dev)
+    return VmmPayload(VERSION, dev, decode_options(options))
+
+
+def decode_vbuf(p: object) -> VbufPayload:
+    """Validate a VMM buffer payload.
+
+    Raises:
+        PayloadError: anything else, or a resource that names no device.
+    """
+    _, res, boot, address, hold, size, fd_token = _fields("VMM buffer", p, 7)
+    resource = decode_vmm(res)
+    if resource.device is None:
+        raise fail("a VMM buffer payload names its device", p)
+    validate_exporter(boot, address, p)
+    if type(size) is not int or not 0 < size < 1 << 62:
+        raise fail("the size must be a positive int", p)
+    if not _id16(hold) or not _id16(fd_token):
+        raise fail("the tokens must be 16 bytes each", p)
+    return VbufPayload(VERSION, resource, boot, address, hold, size, fd_token)

@@ -1,0 +1,247 @@
+"""Placeholders, the one rebuild guard, and :func:`resolve`.
+
+Every reconstructor in :mod:`gpu_serde.wire` runs :func:`rebuild`, whatever its payload kind. The
+type modules (``device``, ``pools``, ``vmm``) fill the table it reads with :func:`define`. The rule:
+a reconstructor never raises (Dask kills a worker, or hangs a future, on an exception in its
+unpickler; Ray hides the error's type). Anything that goes wrong (malformed bytes, wrong types,
+wrong arity, another payload version, another host, a gone exporter, a refused token, a GPU or peer
+not visible here) gives a placeholder that re-pickles to the arguments it came with, so a scheduler
+or a CPU-only hop forwards it unchanged, and raises the typed error when it is used. Only
+``install(strict=True)`` raises at unpickling.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from cuda.core import Device
+
+from gpu_serde import inventory as _inventory
+from gpu_serde.errors import DeviceNotVisibleError, HandoffError, PayloadError
+from gpu_serde.inventory import Inventory
+from gpu_serde.payload import DevicePayload, decode_device
+from gpu_serde.registry import flags
+from gpu_serde.text import safe
+
+Reconstructor = Callable[..., Any]
+TYPED = (PayloadError, DeviceNotVisibleError, HandoffError)
+
+
+def not_visible_error(p: DevicePayload, inv: Inventory, what: str = "GPU") -> DeviceNotVisibleError:
+    """The :class:`DeviceNotVisibleError` for a device payload that ``inv`` cannot resolve
+    (``what`` names its role, e.g. a peer). Every text from the payload is escaped."""
+    uuid, host = p.canonical_uuid, safe(p.host)
+    role = safe(_inventory.role) + ", " if _inventory.role else ""
+    msg = (
+        f"{what} {uuid} ({safe(p.name) or 'name unknown'}) is not visible in this process.\n"
+        f"It was sent from host {host!r}, pid {p.pid}, where it was CUDA device {p.ordinal}.\n"
+        f"Here: {role}host {safe(inv.host)!r}, pid {os.getpid()}, {inv.describe()}\n"
+        f"Run this work where that GPU is visible: on host {host!r}, in a worker whose "
+        f"CUDA_VISIBLE_DEVICES includes {uuid} (Ray: a task or actor given that GPU; Dask: a "
+        "worker started with it), or send a Device this worker can see."
+    )
+    return DeviceNotVisibleError(msg, uuid=uuid, host=host, visible=inv.devices)
+
+
+class Unseen(Exception):
+    """Raised by a device rebuild whose GPU is not visible here; the guard turns it into an
+    :class:`UnresolvedDevice` (the message is built only if the placeholder is used)."""
+
+    def __init__(self, payload: bytes, inv: Inventory) -> None:
+        super().__init__("GPU not visible here")
+        self.payload, self.inventory = payload, inv
+
+
+class UnresolvedDevice:
+    """Stands in for a received ``Device`` whose GPU this process cannot see.
+
+    It re-pickles to the payload it came from (so a scheduler or a CPU-only hop passes it on
+    unchanged); any public attribute, ``int()``, ``operator.index()`` or :func:`gpu_serde.resolve`
+    raises :class:`DeviceNotVisibleError` saying which GPU was meant and what this process sees.
+    Two placeholders of the same GPU are equal and hash alike.
+    """
+
+    __slots__ = ("_inventory", "_payload", "_rebuild")
+
+    def __init__(self, rebuild: Reconstructor, payload: bytes, inv: Inventory) -> None:
+        self._rebuild, self._payload, self._inventory = rebuild, payload, inv
+
+    def _error(self) -> DeviceNotVisibleError:
+        return not_visible_error(decode_device(self._payload), self._inventory)
+
+    @property
+    def _uuid(self) -> str:
+        """The canonical UUID of the GPU that was meant."""
+        return decode_device(self._payload).canonical_uuid
+
+    def __reduce__(self) -> tuple[Reconstructor, tuple[bytes]]:
+        return (self._rebuild, (self._payload,))
+
+    def __getattr__(self, name: str) -> NoReturn:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise self._error()
+
+    def __int__(self) -> NoReturn:
+        raise self._error()
+
+    def __index__(self) -> NoReturn:
+        raise self._error()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, UnresolvedDevice) and other._payload[1:17] == self._payload[1:17]
+
+    def __hash__(self) -> int:
+        return hash(self._payload[1:17])
+
+    def __dask_tokenize__(self) -> tuple[str, bytes]:
+        return ("cuda.core.Device", self._payload[1:17])
+
+    def __repr__(self) -> str:
+        p = decode_device(self._payload)
+        return (
+            f"<UnresolvedDevice {p.canonical_uuid} ({safe(p.name)}) from host {safe(p.host)!r}: "
+            "not visible in this process>"
+        )
+
+
+class UnresolvedObject:
+    """Stands in for a received object that cannot be rebuilt in this process: memory from
+    another host or a gone exporter, a payload of another gpu_serde version, a malformed one.
+
+    It re-pickles to the arguments it came with; any public attribute or :func:`gpu_serde.resolve`
+    raises the reason (a ``HandoffError`` kind, ``DeviceNotVisibleError`` or ``PayloadError``).
+    """
+
+    __slots__ = ("_args", "_error_", "_kind", "_rebuild")
+
+    def __init__(
+        self, kind: str, rebuild: Reconstructor, args: tuple[Any, ...], error: Exception
+    ) -> None:
+        self._kind, self._rebuild, self._args, self._error_ = kind, rebuild, args, error
+
+    def _error(self) -> Exception:
+        return self._error_
+
+    def __reduce__(self) -> tuple[Reconstructor, tuple[Any, ...]]:
+        return (self._rebuild, self._args)
+
+    def __getattr__(self, name: str) -> NoReturn:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        raise self._error_
+
+    def __repr__(self) -> str:
+        return f"<UnresolvedObject {self._kind}: {type(self._error_).__name__}: {self._error_}>"
+
+
+@dataclass(frozen=True)
+class Kind:
+    """How one reconstructor rebuilds: its body, and what a failure is called."""
+
+    name: str  #: what the payload is, in messages ("Device", "Buffer", ...)
+    body: Callable[[object], Any]  #: validates the payload (PayloadError) and rebuilds it
+    fallback: type[Exception]  #: the typed error an unexpected exception becomes
+    describe: Callable[[object], str] | None = None  #: a finer name from a valid payload
+
+
+_kinds: dict[Reconstructor, Kind] = {}
+
+
+def define(
+    reconstructor: Reconstructor,
+    name: str,
+    body: Callable[[object], Any],
+    *,
+    fallback: type[Exception] = HandoffError,
+    describe: Callable[[object], str] | None = None,
+) -> None:
+    """Name the body that ``reconstructor`` (a :mod:`gpu_serde.wire` name) runs under the guard."""
+    _kinds[reconstructor] = Kind(name, body, fallback, describe)
+
+
+def _typed(kind: Kind, exc: Exception) -> Exception:
+    if isinstance(exc, TYPED):
+        return exc
+    return kind.fallback(f"rebuilding a {kind.name} failed here: {type(exc).__name__}: {safe(exc)}")
+
+
+def _name(kind: Kind, args: tuple[Any, ...]) -> str:
+    if kind.describe is not None and len(args) == 1:
+        try:
+            return kind.describe(args[0])
+        except Exception:
+            pass
+    return kind.name
+
+
+def rebuild(reconstructor: Reconstructor, args: tuple[Any, ...]) -> Any:
+    """Run ``reconstructor``'s body on ``args`` under the one guard; never raises except under
+    ``install(strict=True)`` (then: the typed error)."""
+    try:
+        if len(args) == 1:
+            return _kinds[reconstructor].body(args[0])  # KeyError: nothing defined (a bug)
+        raise PayloadError(
+            f"invalid gpu_serde payload: gpu_serde.wire.{reconstructor.__name__} takes one "
+            f"payload, got {len(args)} arguments (this pickle was not made by gpu_serde)"
+        )
+    except Unseen as unseen:
+        placeholder = UnresolvedDevice(reconstructor, unseen.payload, unseen.inventory)
+        if flags.strict:
+            raise placeholder._error() from None
+        return placeholder
+    except Exception as exc:
+        kind = _kinds.get(reconstructor) or Kind("gpu_serde object", lambda p: None, PayloadError)
+        error = _typed(kind, exc)
+        if flags.strict:
+            raise error from (None if error is exc else exc)
+        return UnresolvedObject(_name(kind, args), reconstructor, args, error)
+
+
+def resolve(obj: Any) -> Any:
+    """Return a received object as the real thing, or raise if it cannot be used here.
+
+    Raises:
+        DeviceNotVisibleError: ``obj`` is a placeholder (:class:`~gpu_serde.UnresolvedDevice`);
+            the message says which GPU was meant, where it lives, and what this process sees.
+        HandoffError: ``obj`` is an :class:`~gpu_serde.UnresolvedObject` for memory: the
+            subclass says why (``OtherHostError``, ``ExporterGoneError``, ``TokenRefusedError``),
+            or it raises ``DeviceNotVisibleError`` for memory of a GPU not visible here.
+        PayloadError: ``obj`` came from a malformed payload, or from a gpu_serde that writes
+            another payload version.
+
+    A ``Device`` comes back as the calling thread's object for the same GPU (cuda.core keeps one
+    per thread; call ``resolve`` in the thread that uses it). Lists, tuples (named ones too) and
+    dicts are resolved item by item, nested ones too, and raise for the first placeholder in
+    them; one that holds a ``Device`` comes back as a new container of the same type, any other
+    as itself. Every other object is returned unchanged.
+    """
+    return _resolve(obj, set())
+
+
+def _resolve(obj: Any, busy: set[int]) -> Any:
+    if isinstance(obj, (UnresolvedDevice, UnresolvedObject)):
+        raise obj._error()
+    if isinstance(obj, Device):
+        return Device(obj.device_id)  # this thread's object (Dask unpickles in another thread)
+    kind = type(obj)
+    if kind not in (list, tuple, dict) and not (isinstance(obj, tuple) and hasattr(kind, "_make")):
+        return obj
+    if id(obj) in busy:  # a container that holds itself
+        return obj
+    busy.add(id(obj))
+    try:
+        if kind is dict:
+            items: Any = {k: _resolve(v, busy) for k, v in obj.items()}
+            same = all(items[k] is v for k, v in obj.items())
+        else:
+            items = [_resolve(v, busy) for v in obj]
+            same = all(a is b for a, b in zip(items, obj, strict=True))
+    finally:
+        busy.discard(id(obj))
+    if same:
+        return obj
+    return kind(items) if kind in (list, tuple, dict) else kind._make(items)  # a named tuple
