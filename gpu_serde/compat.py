@@ -10,6 +10,7 @@ configured once, in ``pyproject.toml`` (``[tool.mypy]``), not by ignores scatter
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from gpu_serde.errors import CompatibilityError
@@ -37,6 +38,20 @@ def forking_reducers() -> dict[type, Any]:
     return table
 
 
+def _ipc_init(name: str, purpose: str) -> Any:
+    """``cuda.core._memory._ipc.<name>._init``, or a :class:`CompatibilityError` naming
+    ``purpose``."""
+    try:
+        from cuda.core._memory import _ipc
+
+        return getattr(_ipc, name)._init
+    except (ImportError, AttributeError) as exc:
+        raise CompatibilityError(
+            f"the installed cuda.core has no cuda.core._memory._ipc.{name}._init, which gpu_serde "
+            f"needs {purpose} (known to work: {KNOWN_GOOD}): {exc}"
+        ) from None
+
+
 def ipc_buffer_descriptor(reserved: bytes, size: int) -> Any:
     """cuda.core's ``IPCBufferDescriptor`` for a buffer's 64 exported bytes and size.
 
@@ -45,16 +60,7 @@ def ipc_buffer_descriptor(reserved: bytes, size: int) -> Any:
     Raises:
         CompatibilityError: the installed cuda.core has no ``IPCBufferDescriptor._init``.
     """
-    try:
-        from cuda.core._memory._ipc import IPCBufferDescriptor
-
-        init = IPCBufferDescriptor._init
-    except (ImportError, AttributeError) as exc:
-        raise CompatibilityError(
-            "the installed cuda.core has no cuda.core._memory._ipc.IPCBufferDescriptor._init, "
-            f"which gpu_serde needs to map a received buffer (known to work: {KNOWN_GOOD}): {exc}"
-        ) from None
-    return init(reserved, size)
+    return _ipc_init("IPCBufferDescriptor", "to map a received buffer")(reserved, size)
 
 
 def allocation_handle(fd: int, pool_uuid: bytes) -> Any:
@@ -66,15 +72,5 @@ def allocation_handle(fd: int, pool_uuid: bytes) -> Any:
     Raises:
         CompatibilityError: the installed cuda.core has no ``IPCAllocationHandle._init``.
     """
-    import uuid
-
-    try:
-        from cuda.core._memory._ipc import IPCAllocationHandle
-
-        init = IPCAllocationHandle._init
-    except (ImportError, AttributeError) as exc:
-        raise CompatibilityError(
-            "the installed cuda.core has no cuda.core._memory._ipc.IPCAllocationHandle._init, "
-            f"which gpu_serde needs to import a received pool (known to work: {KNOWN_GOOD}): {exc}"
-        ) from None
+    init = _ipc_init("IPCAllocationHandle", "to import a received pool")
     return init(fd, uuid.UUID(bytes=pool_uuid))
