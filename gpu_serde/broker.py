@@ -238,6 +238,7 @@ class Broker:
         if len(request) < 1 + TOKEN_BYTES:  # the rest must come within one deadline
             deadline = time.monotonic() + REQUEST_S
             request = recv_by(conn, request, 1 + TOKEN_BYTES, deadline)
+        conn.settimeout(REQUEST_S)  # the answer, too, is bounded: a peer that never reads
         op, token = request[:1], request[1:]
         if len(request) != 1 + TOKEN_BYTES or op not in (FETCH, ACQUIRE, RELEASE):
             conn.sendall(NO, NOSIGNAL)

@@ -11,6 +11,7 @@ configured once, in ``pyproject.toml`` (``[tool.mypy]``), not by ignores scatter
 from __future__ import annotations
 
 import uuid
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from gpu_serde.errors import CompatibilityError
@@ -21,14 +22,12 @@ KNOWN_GOOD = "cuda-core 1.2 and Python 3.10 to 3.13"
 def forking_reducers() -> dict[type, Any]:
     """``multiprocessing``'s table of extra reducers (``ForkingPickler._extra_reducers``).
 
-    gpu_serde registers through the public ``ForkingPickler.register`` and reads this table only to
-    save and restore the reducers it replaces (cuda.core's own ordinal-based ones).
+    gpu_serde writes its reducers into this table (what ``ForkingPickler.register`` does), and
+    reads it to save and restore the reducers it replaces (cuda.core's own ordinal-based ones).
 
     Raises:
         CompatibilityError: this Python's multiprocessing has no such table.
     """
-    from multiprocessing.reduction import ForkingPickler
-
     table = getattr(ForkingPickler, "_extra_reducers", None)
     if not isinstance(table, dict):
         raise CompatibilityError(
@@ -41,7 +40,7 @@ def forking_reducers() -> dict[type, Any]:
 def _ipc_init(name: str, purpose: str) -> Any:
     """``cuda.core._memory._ipc.<name>._init``, or a :class:`CompatibilityError` naming
     ``purpose``."""
-    try:
+    try:  # imported here: a cuda.core without the module gives this message, not an ImportError
         from cuda.core._memory import _ipc
 
         return getattr(_ipc, name)._init

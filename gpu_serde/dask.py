@@ -30,7 +30,11 @@ logger = logging.getLogger("gpu_serde.dask")
 @normalize_token.register(Device)
 def _tokenize_device(dev: Device) -> tuple:
     """Devices hash by UUID, so task keys do not depend on the local ordinal."""
-    return ("cuda.core.Device", uuid_bytes(uuid_of(dev.device_id)))
+    try:
+        uuid = uuid_of(dev.device_id)
+    except ValueError:  # the driver showed cuda.core a device it did not show the inventory
+        uuid = dev.uuid
+    return ("cuda.core.Device", uuid_bytes(uuid))
 
 
 @normalize_token.register(Buffer)

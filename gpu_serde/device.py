@@ -8,6 +8,7 @@ placeholder that raises :class:`~gpu_serde.DeviceNotVisibleError` when used.
 
 from __future__ import annotations
 
+import logging
 import os
 
 from cuda.core import Device
@@ -75,7 +76,13 @@ def rebuild_device(payload: object) -> Device:
     """
     p = validate_device(payload)
     if _flags.auto_install:
-        registry.install(_flags.strict)
+        try:
+            registry.install(_flags.strict)
+        except Exception as exc:  # the Device itself is good: resolve it all the same
+            _flags.auto_install = False
+            logging.getLogger("gpu_serde").warning(
+                "gpu_serde received a Device but could not install itself here: %s", exc
+            )
     return local_device(p)
 
 

@@ -32,7 +32,7 @@ from cuda.core import Buffer, Device
 from gpu_serde import broker as _broker
 from gpu_serde import inventory as _inventory
 from gpu_serde.errors import HandoffError, OtherHostError
-from gpu_serde.text import safe
+from gpu_serde.text import quoted
 
 #: Seconds the exporter still keeps a buffer after its last importer released it, so that a hop
 #: (a Dask scheduler, a Ray task passing it on) that imported and dropped it does not free it
@@ -53,11 +53,12 @@ _origin: dict[int, tuple[Any, ...]] = {}  # id(imported object) -> the reduction
 
 
 def check_host(boot: bytes, what: str) -> None:
-    """Raise :class:`OtherHostError` unless ``boot`` is this host's ``boot_id`` (``what`` is
-    shown, escaped: it names the memory and where it came from)."""
+    """Raise :class:`OtherHostError` unless ``boot`` is this host's ``boot_id``. ``what`` names
+    the memory and where it came from; the caller escapes the wire text in it
+    (:func:`gpu_serde.text.quoted`)."""
     if boot != BOOT_ID:
         raise OtherHostError(
-            f"{safe(what)} reached host {safe(_inventory.inventory().host)!r}, another host: GPU "
+            f"{what} reached host {quoted(_inventory.inventory().host)}, another host: GPU "
             "memory crosses processes only on the host that exported it. Copy it to host memory "
             "first, or run this work on that host."
         )

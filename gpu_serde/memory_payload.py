@@ -116,7 +116,9 @@ def _fields(kind: str, p: object, n: int) -> tuple[Any, ...]:
     """``p`` as a tuple of ``n`` fields whose first is this version, or a PayloadError."""
     if type(p) is not tuple or not p:
         raise fail(f"a {kind} payload is a tuple of {n} fields", p)
-    if type(p[0]) is not int or p[0] != VERSION:
+    if type(p[0]) is not int:
+        raise fail(f"a {kind} payload starts with its version, an int", p)
+    if p[0] != VERSION:
         raise version_error(kind, p[0], p)
     if len(p) != n:
         raise fail(f"a {kind} payload is a tuple of {n} fields", p)

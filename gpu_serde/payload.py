@@ -22,13 +22,12 @@ anything else. One flat ``bytes`` keeps a payload small and quick to unpickle.
 
 from __future__ import annotations
 
-import reprlib
 import struct
 from typing import NamedTuple
 
 from gpu_serde.errors import PayloadError
 from gpu_serde.identity import canonical_uuid
-from gpu_serde.text import safe
+from gpu_serde.text import describe, safe
 
 VERSION = 1
 FLAG_MIG = 1
@@ -72,16 +71,8 @@ def encode_device(uuid: bytes, mig: bool, ordinal: int, pid: int, host: str, nam
     return head + _text(host) + b"\0" + _text(name)
 
 
-_short = reprlib.Repr()
-_short.maxstring = _short.maxother = 60
-_short.maxlevel = 2
-
-
 def _safe_repr(value: object) -> str:
-    try:
-        return safe(_short.repr(value))
-    except Exception:  # e.g. an int too long to print
-        return f"<{type(value).__name__}>"
+    return safe(describe(value))  # never the value's own repr: it may come from the sender
 
 
 def fail(what: str, payload: object) -> PayloadError:

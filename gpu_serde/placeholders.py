@@ -12,6 +12,7 @@ or a CPU-only hop forwards it unchanged, and raises the typed error when it is u
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from gpu_serde.errors import DeviceNotVisibleError, HandoffError, PayloadError
 from gpu_serde.inventory import Inventory
 from gpu_serde.payload import DevicePayload, decode_device
 from gpu_serde.registry import flags
-from gpu_serde.text import safe
+from gpu_serde.text import quoted, safe
 
 Reconstructor = Callable[..., Any]
 TYPED = (PayloadError, DeviceNotVisibleError, HandoffError)
@@ -33,17 +34,18 @@ TYPED = (PayloadError, DeviceNotVisibleError, HandoffError)
 def not_visible_error(p: DevicePayload, inv: Inventory, what: str = "GPU") -> DeviceNotVisibleError:
     """The :class:`DeviceNotVisibleError` for a device payload that ``inv`` cannot resolve
     (``what`` names its role, e.g. a peer). Every text from the payload is escaped."""
-    uuid, host = p.canonical_uuid, safe(p.host)
+    uuid, host = p.canonical_uuid, quoted(p.host)
     role = safe(_inventory.role) + ", " if _inventory.role else ""
+    name = quoted(p.name) if p.name else "name unknown"
     msg = (
-        f"{what} {uuid} ({safe(p.name) or 'name unknown'}) is not visible in this process.\n"
-        f"It was sent from host {host!r}, pid {p.pid}, where it was CUDA device {p.ordinal}.\n"
-        f"Here: {role}host {safe(inv.host)!r}, pid {os.getpid()}, {inv.describe()}\n"
-        f"Run this work where that GPU is visible: on host {host!r}, in a worker whose "
+        f"{what} {uuid} ({name}) is not visible in this process.\n"
+        f"It was sent from host {host}, pid {p.pid}, where it was CUDA device {p.ordinal}.\n"
+        f"Here: {role}host {quoted(inv.host)}, pid {os.getpid()}, {inv.describe()}\n"
+        f"Run this work where that GPU is visible: on host {host}, in a worker whose "
         f"CUDA_VISIBLE_DEVICES includes {uuid} (Ray: a task or actor given that GPU; Dask: a "
         "worker started with it), or send a Device this worker can see."
     )
-    return DeviceNotVisibleError(msg, uuid=uuid, host=host, visible=inv.devices)
+    return DeviceNotVisibleError(msg, uuid=uuid, host=safe(p.host), visible=inv.devices)
 
 
 class Unseen(Exception):
@@ -103,8 +105,8 @@ class UnresolvedDevice:
     def __repr__(self) -> str:
         p = decode_device(self._payload)
         return (
-            f"<UnresolvedDevice {p.canonical_uuid} ({safe(p.name)}) from host {safe(p.host)!r}: "
-            "not visible in this process>"
+            f"<UnresolvedDevice {p.canonical_uuid} ({quoted(p.name)}) from host "
+            f"{quoted(p.host)}: not visible in this process>"
         )
 
 
@@ -124,7 +126,13 @@ class UnresolvedObject:
         self._kind, self._rebuild, self._args, self._error_ = kind, rebuild, args, error
 
     def _error(self) -> Exception:
-        return self._error_
+        """A fresh copy of the reason, to raise: raising one object again and again would grow
+        its traceback, and keep every caller's frame alive, without limit."""
+        try:
+            error = copy.copy(self._error_)
+        except Exception:
+            error = self._error_
+        return error.with_traceback(None)
 
     def __reduce__(self) -> tuple[Reconstructor, tuple[Any, ...]]:
         return (self._rebuild, self._args)
@@ -132,10 +140,21 @@ class UnresolvedObject:
     def __getattr__(self, name: str) -> NoReturn:
         if name.startswith("_"):
             raise AttributeError(name)
-        raise self._error_
+        raise self._error()
 
     def __repr__(self) -> str:
-        return f"<UnresolvedObject {self._kind}: {type(self._error_).__name__}: {self._error_}>"
+        reason = _first_line(self._error_)
+        return f"<UnresolvedObject {self._kind}: {type(self._error_).__name__}: {reason}>"
+
+
+def _first_line(error: Exception) -> str:
+    """The first line of ``error``'s message, escaped (a repr stays on one line)."""
+    try:
+        text = str(error)
+    except Exception:
+        text = ""
+    first, _, rest = text.partition("\n")
+    return safe(first) + (" ..." if rest else "")
 
 
 @dataclass(frozen=True)
@@ -166,7 +185,9 @@ def define(
 def _typed(kind: Kind, exc: Exception) -> Exception:
     if isinstance(exc, TYPED):
         return exc
-    return kind.fallback(f"rebuilding a {kind.name} failed here: {type(exc).__name__}: {safe(exc)}")
+    return kind.fallback(
+        f"rebuilding a {kind.name} failed here: {type(exc).__name__}: {_first_line(exc)}"
+    )
 
 
 def _name(kind: Kind, args: tuple[Any, ...]) -> str:

@@ -35,6 +35,7 @@ from gpu_serde.errors import HandoffError, NotIPCEnabledError
 from gpu_serde.memory_payload import BufferPayload, PoolPayload, decode_buffer, decode_pool
 from gpu_serde.payload import VERSION, decode_device
 from gpu_serde.placeholders import define, not_visible_error
+from gpu_serde.text import quoted
 
 Pool = Any  # DeviceMemoryResource | PinnedMemoryResource (cuda.core has no types: see compat)
 _FIX = {
@@ -43,20 +44,23 @@ _FIX = {
     PinnedMemoryResource: "PinnedMemoryResource(PinnedMemoryResourceOptions(ipc_enabled=True, "
     "max_size=...))",
 }
-_exported: dict[bytes, PoolPayload] = {}  # pool uuid -> payload, for pools this process exports
+#: pool uuid -> its payload and the one wire tuple of it, for pools this process exports (one
+#: tuple: a pickle of a pool and its buffers holds it once, as release 0.1.0 wrote it)
+_exported: dict[bytes, tuple[PoolPayload, tuple[Any, ...]]] = {}
 _exported_pools: dict[bytes, Pool] = {}
 _imported: dict[bytes, Pool] = {}  # pool uuid -> the pool imported here
 
 
-def pool_payload(mr: Pool) -> PoolPayload:
-    """The payload of an IPC-enabled pool (an imported one travels on as it came).
+def pool_payload(mr: Pool) -> tuple[Any, ...]:
+    """The wire payload of an IPC-enabled pool (an imported one travels on as it came); the
+    same tuple every time.
 
     Raises:
         NotIPCEnabledError: the pool is not IPC-enabled, or not a pool gpu_serde sends.
     """
     origin = handoff.forwarded(mr)
     if origin is not None:
-        return decode_pool(origin[1][0])
+        return origin[1][0]  # type: ignore[no-any-return]
     kind = next((k for k in _FIX if isinstance(mr, k)), None)
     if kind is None or not mr.is_ipc_enabled:
         raise NotIPCEnabledError(
@@ -70,14 +74,15 @@ def pool_payload(mr: Pool) -> PoolPayload:
         )
     pool = mr.uuid.bytes
     with handoff.lock:
-        p = _exported.get(pool)
-        if p is None:
+        sent = _exported.get(pool)
+        if sent is None:
             dev = device_payload(Device(mr.device_id)) if kind is DeviceMemoryResource else None
             b = _broker.broker()
             token = b.offer(int(mr.allocation_handle))
             p = PoolPayload(VERSION, dev, handoff.BOOT_ID, b.address, token, pool)
-            _exported[pool], _exported_pools[pool] = p, mr
-    return p
+            sent = _exported[pool] = (p, p.wire())
+            _exported_pools[pool] = mr
+    return sent[1]
 
 
 def reduce_pool(mr: Pool) -> tuple[Any, ...]:
@@ -88,7 +93,7 @@ def reduce_pool(mr: Pool) -> tuple[Any, ...]:
         NotIPCEnabledError: the pool is not IPC-enabled.
     """
     origin = handoff.forwarded(mr)
-    return origin if origin is not None else (wire.pool, (pool_payload(mr).wire(),))
+    return origin if origin is not None else (wire.pool, (pool_payload(mr),))
 
 
 def import_pool(p: PoolPayload, wire_payload: object) -> Pool:
@@ -111,9 +116,8 @@ def import_pool(p: PoolPayload, wire_payload: object) -> Pool:
             dev = handoff.any_device()
         else:
             d = decode_device(p.device)
-            handoff.check_host(
-                p.boot, f"GPU memory from host {d.host!r} (pid {d.pid}, GPU {d.canonical_uuid})"
-            )
+            where = f"host {quoted(d.host)} (pid {d.pid}, GPU {d.canonical_uuid})"
+            handoff.check_host(p.boot, f"GPU memory from {where}")
             ordinal = _inventory.local_ordinal(d.uuid)
             if ordinal is None:
                 raise not_visible_error(d, _inventory.inventory())
@@ -167,7 +171,7 @@ def reduce_buffer(buf: Buffer, mr: Pool) -> tuple[Any, ...]:
     def make() -> tuple[bytes, tuple[Any, ...]]:
         reserved, size = buf.ipc_descriptor.__reduce__()[1]
         token = _broker.broker().hold(buf, handoff.let_go, grace=handoff.RELEASE_GRACE_S)
-        return token, BufferPayload(VERSION, pool, bytes(reserved), int(size), token).wire()
+        return token, (VERSION, pool, bytes(reserved), int(size), token)  # BufferPayload's form
 
     return (wire.buf, (handoff.sent_payload(buf, make),))
 

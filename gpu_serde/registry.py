@@ -90,13 +90,12 @@ def install(strict: bool = False) -> None:
     global _installed
     if not isinstance(strict, bool):
         raise TypeError(f"install(strict=...) takes a bool, not {type(strict).__name__}")
-    flags.strict, flags.auto_install = strict, False
     with _lock:
-        if _installed:
-            return
-        for cls, reducer in _reducers.items():
-            _apply(cls, reducer)
-        _installed = True
+        if not _installed:
+            for cls, reducer in _reducers.items():
+                _apply(cls, reducer)
+            _installed = True
+        flags.strict, flags.auto_install = strict, False
 
 
 def ensure_installed(engine: str = "") -> None:
@@ -117,6 +116,9 @@ def uninstall() -> None:
     """Undo :func:`install`: ``cuda.core`` objects pickle as cuda.core itself does (by ordinal).
 
     gpu_serde payloads still unpickle afterwards, but no longer install the reducers by themselves.
+
+    Raises:
+        CompatibilityError: this Python's multiprocessing lacks the table gpu_serde registered in.
     """
     global _installed
     flags.strict, flags.auto_install = False, False

@@ -37,7 +37,7 @@ from gpu_serde.memory_payload import (
 )
 from gpu_serde.payload import VERSION, decode_device
 from gpu_serde.placeholders import define, not_visible_error
-from gpu_serde.text import safe
+from gpu_serde.text import quoted, safe
 
 #: Option fields sent as the string values of cuda.core's enums (or None), in payload order.
 ENUM_FIELDS = {
@@ -370,7 +370,7 @@ def rebuild_buffer(payload: object) -> Buffer:
     assert p.resource.device is not None  # decode_vbuf checked it
     d = decode_device(p.resource.device)
     handoff.check_host(
-        p.boot, f"GPU memory from host {d.host!r} (pid {d.pid}, GPU {d.canonical_uuid})"
+        p.boot, f"GPU memory from host {quoted(d.host)} (pid {d.pid}, GPU {d.canonical_uuid})"
     )
     if _broker.is_own(address):
         held = _broker.broker().peek(hold)

@@ -25,6 +25,7 @@ os.close(fd)  # the broker keeps its own duplicate
 print(broker().address, token.hex(), flush=True)
 sys.stdin.read()  # until the test closes our stdin
 """
+SILENT = f"@gpu_serde-test-silent-{os.getpid()}"  # abstract names are host-wide
 
 
 def open_fds(pid: int | str = "self") -> int:
@@ -84,12 +85,12 @@ def test_a_silent_broker_times_out_instead_of_hanging():
     import socket
 
     squatter = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    squatter.bind("\0gpu_serde-test-silent")
+    squatter.bind("\0" + SILENT[1:])
     squatter.listen(1)  # accepts connections, never answers
     try:
         started = time.monotonic()
         with pytest.raises(ExporterGoneError, match="did not answer"):
-            fetch("@gpu_serde-test-silent", bytes(16), timeout=0.5)
+            fetch(SILENT, bytes(16), timeout=0.5)
         assert time.monotonic() - started < 1.0
     finally:
         squatter.close()

@@ -3,6 +3,7 @@
 Importing real pools and buffers needs a GPU: see test_gpu_memory.py."""
 
 import contextlib
+import os
 import pickle
 import time
 
@@ -26,6 +27,7 @@ from gpu_serde.payload import encode_device
 from gpu_serde.wire import buf, pool
 
 NOBODY = "@gpu_serde-test-nobody-listens"
+RUDE = f"@gpu_serde-test-rude-{os.getpid()}"  # abstract names are host-wide
 
 
 def pool_payload(dev: bytes, boot: bytes = BOOT_ID) -> tuple:
@@ -190,7 +192,7 @@ def test_a_broker_that_hangs_up_mid_request_is_an_exporter_gone_placeholder(visi
     import threading
 
     rude = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    rude.bind("\0gpu_serde-test-rude")
+    rude.bind("\0" + RUDE[1:])
     rude.listen(8)
 
     def hang_up() -> None:
@@ -201,7 +203,7 @@ def test_a_broker_that_hangs_up_mid_request_is_an_exporter_gone_placeholder(visi
 
     threading.Thread(target=hang_up, daemon=True).start()
     try:
-        p = (1, visible_dev, BOOT_ID, "@gpu_serde-test-rude", bytes(16), bytes(16))
+        p = (1, visible_dev, BOOT_ID, RUDE, bytes(16), bytes(16))
         got = pool(p)
         with pytest.raises(ExporterGoneError):
             gpu_serde.resolve(got)

@@ -7,6 +7,7 @@ every message and repr, so a sender cannot forge lines of an error.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import random
 
@@ -231,3 +232,58 @@ def test_a_broker_address_with_control_characters_is_a_payload_error(installed):
     pool = (1, None, BOOT_ID, "@gpu\x1b[31m\n", bytes(16), bytes(16))
     with pytest.raises(PayloadError, match="printable ASCII"):
         gpu_serde.resolve(wire.pool(pool))
+
+
+def test_a_placeholder_of_memory_whose_gpu_is_not_here_shows_on_one_line(installed):
+    stranger = encode_device(bytes(range(16)), False, 3, 42, "node-b", "NVIDIA H200")
+    got = wire.pool((1, stranger, BOOT_ID, "@gpu_serde-nobody", bytes(16), bytes(16)))
+    with pytest.raises(DeviceNotVisibleError):
+        gpu_serde.resolve(got)
+    assert "\n" not in repr(got) and "not visible" in repr(got)
+
+
+def test_using_a_placeholder_again_and_again_keeps_no_callers_alive(installed):
+    import gc
+    import weakref
+
+    class Big:
+        pass
+
+    got = wire.dev(b"\x01truncated")
+    refs = []
+    for _ in range(50):
+        big = Big()
+        refs.append(weakref.ref(big))
+        with contextlib.suppress(PayloadError):
+            gpu_serde.resolve(got)
+        del big
+    gc.collect()
+    assert sum(r() is not None for r in refs) == 0
+
+
+class Hostile:
+    """A payload field whose methods raise, even a BaseException: none of them may run."""
+
+    def __repr__(self):
+        raise SystemExit("a hostile repr")
+
+    __str__ = __repr__
+
+    def __eq__(self, other):
+        raise SystemExit("a hostile eq")
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize("fn", RECONSTRUCTORS, ids=_name)
+def test_a_payload_field_with_hostile_methods_runs_none_of_them(installed, fn):
+    for args in [(Hostile(),), ((1, Hostile(), Hostile()),), ((Hostile(),) * 7,)]:
+        got = fn(*args)
+        assert isinstance(got, UnresolvedObject)
+        assert "<Hostile>" in str(got._error()) and "\n" not in repr(got)
+
+
+def test_a_crafted_device_name_cannot_pass_for_the_words_around_it(installed):
+    name = "X) from host 'trusted': not visible in this process> (real"
+    shown = repr(wire.dev(encode_device(bytes.fromhex("ab" * 16), False, 0, 1, "h", name)))
+    assert shown.count("from host") == 2 and "\\'trusted\\'" in shown
