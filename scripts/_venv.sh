@@ -8,7 +8,7 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
   "$venv/bin/python" -m pip install -q --upgrade pip
-  "$venv/bin/python" -m pip install -q -e "$root[all,test,docs]"
+  "$venv/bin/python" -m pip install -q -e "$root[all,dev]"
   touch "$stamp"
 fi
 export PATH="$venv/bin:$PATH"

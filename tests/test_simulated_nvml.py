@@ -1,0 +1,111 @@
+"""The stand-in NVML: the same GPUs as the stand-in driver, all of the host's whatever
+CUDA_VISIBLE_DEVICES says (as the real NVML does), and enough of it for Ray to count them.
+
+NVML is read through Ray's own copy of pynvml, the one its GPU detection uses.
+"""
+
+import pytest
+
+from helpers import run_child
+
+NVML_LIST = """
+import ray._private.thirdparty.pynvml as nvml
+nvml.nvmlInit()
+handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+uuids = [nvml.nvmlDeviceGetUUID(h) for h in handles]
+report(
+    nvml=uuids,
+    cuda=[d.uuid for d in gpu_serde.visible_devices()],
+    by_uuid=[nvml.nvmlDeviceGetIndex(nvml.nvmlDeviceGetHandleByUUID(u)) for u in uuids],
+    by_pci=[
+        nvml.nvmlDeviceGetIndex(nvml.nvmlDeviceGetHandleByPciBusId(nvml.nvmlDeviceGetPciInfo(h).busId))
+        for h in handles
+    ],
+    names=[nvml.nvmlDeviceGetName(h) for h in handles],
+    mig=[nvml.nvmlDeviceGetMigMode(h)[0] for h in handles],
+)
+nvml.nvmlShutdown()
+"""
+
+
+def test_nvml_lists_every_gpu_of_the_host_whatever_cuda_visible_devices_says(
+    sim_env, simulated_gpus
+):
+    g = simulated_gpus
+    seen = run_child(NVML_LIST, sim_env(visible=[g[2].uuid, g[0].uuid]))
+    assert seen["nvml"] == [x.uuid for x in g]
+    assert seen["cuda"] == [g[2].uuid, g[0].uuid]
+
+
+def test_nvml_numbers_the_gpus_as_the_driver_does_with_cuda_visible_devices_unset(sim_env):
+    seen = run_child(NVML_LIST, sim_env())
+    assert seen["nvml"] == seen["cuda"]
+
+
+def test_nvml_finds_each_gpu_by_its_uuid_and_its_pci_bus_id(sim_env):
+    seen = run_child(NVML_LIST, sim_env())
+    assert seen["by_uuid"] == seen["by_pci"] == [0, 1, 2, 3]
+
+
+def test_nvml_names_each_gpu_as_the_driver_does_with_mig_disabled(sim_env, simulated_gpus):
+    seen = run_child(NVML_LIST, sim_env())
+    assert seen["names"] == [g.name for g in simulated_gpus]
+    assert seen["mig"] == [0, 0, 0, 0]
+
+
+def test_a_malformed_gpu_list_fails_nvml_init_with_an_nvml_error(sim_env):
+    env = dict(sim_env(), GPU_SERDE_SIM_GPUS="not-a-gpu|x|0000:00:00.0")
+    seen = run_child(
+        """
+import ray._private.thirdparty.pynvml as nvml
+try:
+    nvml.nvmlInit()
+    report(error=None)
+except nvml.NVMLError as exc:
+    report(error=type(exc).__name__)
+""",
+        env,
+    )
+    assert seen["error"] == "NVMLError_Unknown"
+
+
+RAY_COUNTS = """
+import ray, gpu_serde.ray
+from cuda.core import Device
+gpu_serde.ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+
+@ray.remote(num_gpus=2, max_retries=0)
+def where(device):
+    return gpu_serde.resolve(device).uuid
+
+report(
+    gpus=ray.cluster_resources().get("GPU"),
+    types=sorted(k for k in ray.cluster_resources() if k.startswith("accelerator_type:")),
+    resolved=ray.get(where.remote(Device(1))),
+    sent=Device(1).uuid,
+)
+ray.shutdown()
+"""
+
+
+@pytest.fixture(scope="module")
+def ray_on_two_of_four(simulated_gpus):
+    """`ray.init()` with no num_gpus, on a host of four GPUs with CUDA_VISIBLE_DEVICES naming two."""
+    from gpu_serde.testing import child_env
+
+    g = simulated_gpus
+    return run_child(RAY_COUNTS, child_env(g, [g[3].uuid, g[1].uuid]), timeout=180)
+
+
+def test_ray_counts_the_gpus_cuda_visible_devices_names_without_num_gpus(ray_on_two_of_four):
+    assert ray_on_two_of_four["gpus"] == 2.0
+
+
+def test_ray_labels_the_node_with_the_simulated_gpu_model(ray_on_two_of_four):
+    assert ray_on_two_of_four["types"] == ["accelerator_type:H200"]
+
+
+def test_a_ray_task_given_the_detected_gpus_resolves_the_drivers_device_as_the_same_gpu(
+    ray_on_two_of_four,
+):
+    assert ray_on_two_of_four["resolved"] == ray_on_two_of_four["sent"]
