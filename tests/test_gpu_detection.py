@@ -32,7 +32,8 @@ def real_env() -> dict[str, str]:
 RAY_DETECTS = """
 import ray, gpu_serde.ray
 from cuda.core import Device
-gpu_serde.ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+# "local": start a cluster here, never join one that `ray start` left on this host
+gpu_serde.ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
 
 @ray.remote(num_gpus=1, max_retries=0)
 def use(device):
