@@ -10,6 +10,9 @@ import pytest
 # address instead of the host's outward-facing interface. Multi-node clusters built with
 # ray.cluster_utils.Cluster still work; `ray start` worker nodes would not (no test starts one).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Ray before 2.60 hides every GPU from a num_gpus=0 task (CUDA_VISIBLE_DEVICES=""); 2.60 leaves them
+# visible. The tests expect 2.60's behaviour, which this gives on every supported Ray (>= 2.50).
+os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
 
 
 def gpu_tier(config: pytest.Config) -> bool:

@@ -1,14 +1,20 @@
-"""Simulated GPUs for CPU-only tests: a stand-in ``libcuda.so.1`` built from C on first use.
+"""Simulated GPUs for CPU-only tests: a stand-in ``libcuda.so.1`` and ``libnvidia-ml.so.1`` built
+from C on first use.
 
 The stand-in presents the GPUs you describe and applies ``CUDA_VISIBLE_DEVICES`` the way the real
 driver does (unset: all; ``""``: none; ordinals, ``GPU-``/``MIG-`` UUIDs or unique prefixes, any
 case; the list stops at the first entry that names no GPU). cuda.core sees real ``Device`` objects
 with UUIDs, names, PCI ids and a compute capability of 9.0.
 
-It does **not** simulate contexts, memory, memory pools, IPC, streams, events, kernels, NVML, or the
-CUDA runtime (so ``Device.pci_bus_id``, ``set_current()`` and allocations fail): those need a
-real GPU.
-Ray does not count simulated GPUs (it asks NVML): give Ray ``num_gpus`` yourself.
+The stand-in NVML presents the same GPUs and, like the real NVML, ignores ``CUDA_VISIBLE_DEVICES``:
+it enumerates every GPU of the host in the list's order. It answers what Ray's GPU count, dask-cuda
+and distributed's NVML diagnostics ask (counts, handles by index/UUID/PCI id, UUIDs, names, memory,
+CPU affinity, MIG mode: disabled, driver versions), so Ray counts the simulated GPUs and
+``dask cuda worker`` / ``LocalCUDACluster`` start on them.
+
+It does **not** simulate contexts, memory, memory pools, IPC, streams, events, kernels, MIG
+instances, or the CUDA runtime (so ``Device.pci_bus_id``, ``set_current()`` and allocations fail;
+dask-cuda logs "Unable to start CUDA Context" and carries on): those need a real GPU.
 """
 
 from __future__ import annotations
@@ -36,7 +42,9 @@ __all__ = [
 ]
 
 SPEC_ENV = "GPU_SERDE_SIM_GPUS"
-_SOURCE = Path(__file__).with_name("simdriver.c")
+_HERE = Path(__file__).parent
+# library file name (also its soname) -> C source
+_LIBRARIES = {"libcuda.so.1": _HERE / "simdriver.c", "libnvidia-ml.so.1": _HERE / "simnvml.c"}
 
 
 class SimulatedDriverError(RuntimeError):
@@ -77,20 +85,26 @@ def _cache_root() -> Path:
 
 
 def driver_dir() -> Path:
-    """Build the stand-in driver if needed and return the folder that holds its ``libcuda.so.1``.
+    """Build the stand-in libraries if needed and return the folder that holds them.
 
-    The library is compiled with ``$CC`` (default ``cc``) into ``$GPU_SERDE_CACHE_DIR`` (default
-    ``~/.cache/gpu_serde``), keyed by the source's hash; concurrent builders are safe.
+    The folder holds ``libcuda.so.1`` (the driver) and ``libnvidia-ml.so.1`` (NVML). They are
+    compiled with ``$CC`` (default ``cc``) into ``$GPU_SERDE_CACHE_DIR`` (default
+    ``~/.cache/gpu_serde``), in a folder keyed by the sources' hash; concurrent builders are safe.
 
     Raises:
         SimulatedDriverError: no C compiler, or the build failed.
     """
-    source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(source).hexdigest()[:16]
-    folder = _cache_root() / f"simdriver-{digest}"
-    lib = folder / "libcuda.so.1"
-    if lib.exists():
-        return folder
+    digest = hashlib.sha256()
+    for name, source in _LIBRARIES.items():
+        digest.update(name.encode() + b"\0" + source.read_bytes() + b"\0")
+    folder = _cache_root() / f"simdriver-{digest.hexdigest()[:16]}"
+    for name, source in _LIBRARIES.items():
+        if not (folder / name).exists():
+            _build(source, folder, name)
+    return folder
+
+
+def _build(source: Path, folder: Path, name: str) -> None:
     cc = os.environ.get("CC", "cc")
     if shutil.which(cc) is None:
         raise SimulatedDriverError(
@@ -99,13 +113,12 @@ def driver_dir() -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".build-", suffix=".so")
     os.close(fd)
-    cmd = [cc, "-O2", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", tmp, str(_SOURCE)]
+    cmd = [cc, "-O2", "-shared", "-fPIC", f"-Wl,-soname,{name}", "-o", tmp, str(source)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         os.unlink(tmp)
-        raise SimulatedDriverError(f"building the simulated driver failed:\n{done.stderr}")
-    os.replace(tmp, lib)
-    return folder
+        raise SimulatedDriverError(f"building the simulated {name} failed:\n{done.stderr}")
+    os.replace(tmp, folder / name)
 
 
 def _is_ours(path: str) -> bool:
@@ -148,7 +161,8 @@ def child_env(
     base: Mapping[str, str] | None = None,
     allow_real_driver: bool = False,
 ) -> dict[str, str]:
-    """Return an environment for a child process that sees ``gpus`` through the stand-in driver.
+    """Return an environment for a child process that sees ``gpus`` through the stand-in driver and
+    NVML (their folder goes first on ``LD_LIBRARY_PATH``).
 
     Args:
         gpus: every GPU of the simulated host.
@@ -188,8 +202,9 @@ def activate(
     """Use the stand-in driver in this process, before anything initialises CUDA.
 
     Sets ``GPU_SERDE_SIM_GPUS`` and ``CUDA_VISIBLE_DEVICES`` (and ``LD_LIBRARY_PATH`` for children)
-    and loads the library globally so cuda.bindings finds it. Calling it again with the same GPUs is
-    harmless; CUDA reads ``CUDA_VISIBLE_DEVICES`` once, so later changes take no effect here.
+    and loads both libraries globally so cuda.bindings and pynvml find them. Calling it again with
+    the same GPUs is harmless; CUDA reads ``CUDA_VISIBLE_DEVICES`` once, so later changes take no
+    effect here.
 
     Raises:
         SimulatedDriverError: a real driver is loaded or present (see :func:`child_env`).
@@ -202,4 +217,5 @@ def activate(
     else:
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
     folder = env["LD_LIBRARY_PATH"].split(":")[0]
-    ctypes.CDLL(os.path.join(folder, "libcuda.so.1"), mode=os.RTLD_GLOBAL)
+    for name in _LIBRARIES:
+        ctypes.CDLL(os.path.join(folder, name), mode=os.RTLD_GLOBAL)

@@ -20,7 +20,12 @@ import tempfile
 import time
 from collections.abc import Iterator, Mapping
 
-import psutil
+try:
+    import psutil
+except ImportError as exc:  # pragma: no cover - depends on the extras installed
+    raise ImportError(
+        "gpu_serde.testing.clusters needs psutil: pip install 'gpu-serde[testing]'"
+    ) from exc
 
 RAY_IP = "127.0.0.2"
 BIN = os.path.dirname(sys.executable)

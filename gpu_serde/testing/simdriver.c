@@ -284,6 +284,8 @@ CUresult cuGetErrorString(CUresult e, const char **s) {
     return *s ? SUCCESS : INVALID_VALUE;
 }
 
+CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags, int *status);
+
 struct sym { const char *name; void *fn; };
 static const struct sym symbols[] = {
     {"cuInit", (void *)cuInit},
@@ -301,6 +303,8 @@ static const struct sym symbols[] = {
     {"cuCtxGetCurrent", (void *)cuCtxGetCurrent},
     {"cuGetErrorName", (void *)cuGetErrorName},
     {"cuGetErrorString", (void *)cuGetErrorString},
+    /* cuda-bindings 12.9.0 re-reads its own entry point through itself (CUDA version 12000) */
+    {"cuGetProcAddress", (void *)cuGetProcAddress_v2},
     {NULL, NULL},
 };
 
