@@ -255,7 +255,10 @@ def render(survey: Survey) -> str:
     lines = []
     for r in survey.reports:
         cvd = "unset" if r.cuda_visible_devices is None else repr(r.cuda_visible_devices)
-        state = f"gpu_serde {r.version} installed" if r.installed else "gpu_serde NOT installed"
+        if r.role == "client":  # the caller: the doctor's own process, or a driver that asked
+            state = "gpu_serde " + ("installed" if r.installed else "not installed") + " here"
+        else:
+            state = f"gpu_serde {r.version} installed" if r.installed else "gpu_serde NOT installed"
         lines.append(f"{r.name}: host {r.host}, pid {r.pid}, CUDA_VISIBLE_DEVICES={cvd}, {state}")
         lines += [f"    {o}  {u}" for o, u in r.gpus] or [f"    no GPU: {r.reason}"]
         lines += [f"  - {n}" for n in r.notes]
