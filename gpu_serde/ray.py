@@ -27,8 +27,11 @@ from typing import Any
 from gpu_serde.inventory import set_role
 from gpu_serde.reducers import ensure_installed
 
+#: The ``worker_process_setup_hook`` that installs gpu_serde in a Ray worker.
 HOOK = "gpu_serde.ray.setup_worker"
+#: The ``RAY_RUNTIME_ENV_HOOK`` value that installs gpu_serde in the driver and adds :data:`HOOK`.
 ENV_HOOK = "gpu_serde.ray.runtime_env_hook"
+#: The environment variable an installed driver sets in its job's workers.
 DRIVER_MARK = "GPU_SERDE_RAY_DRIVER"
 _KEY = "worker_process_setup_hook"
 _JOB_CONFIG = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor for a submitted job
