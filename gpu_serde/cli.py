@@ -154,7 +154,7 @@ def _parser() -> argparse.ArgumentParser:
         type=_positive_seconds,
         default=60.0,
         metavar="SECONDS",
-        help="how long to wait to connect, for --expect and for each probe (default 60)",
+        help="how long to wait to connect and for --expect (default 60)",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument(

@@ -14,6 +14,9 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+#: Seconds a Ray node's probe may take (it may start a worker process first).
+PROBE_S = 120.0
+
 
 @dataclass
 class WorkerReport:
@@ -191,7 +194,8 @@ def survey_ray(
     address: str, node_ip_address: str | None = None, timeout: float = 120, expect: int = 0
 ) -> Survey:
     """Probe one worker on every alive node of the Ray cluster at ``address`` (head included),
-    after waiting up to ``timeout`` seconds for ``expect`` nodes, in a job started with
+    after waiting up to ``timeout`` seconds for ``expect`` nodes (each probe then gets
+    :data:`PROBE_S` seconds), in a job started with
     gpu_serde's hook; a node where the hook did not run is flagged. ``node_ip_address`` is this
     machine's address as the cluster knows it (Ray's ``_node_ip_address``), where Ray cannot
     tell by itself (a cluster on a loopback address other than 127.0.0.1).
@@ -223,7 +227,7 @@ def survey_ray(
         owning = []
         for name, (ref, gpus) in refs.items():
             try:
-                r = _report(name, ray.get(ref, timeout=timeout))
+                r = _report(name, ray.get(ref, timeout=PROBE_S))
             except Exception as exc:  # a node that cannot run the probe is itself a finding
                 r = _report(name, exc)
             reports.append(r)

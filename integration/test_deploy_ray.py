@@ -1,8 +1,8 @@
 """Every documented way of starting a Ray driver installs gpu_serde in it, on a ``ray start`` cluster.
 
 One cluster for the module: ``ray start --head`` with the dashboard (the job server) on 127.0.0.2,
-and two worker nodes that number the simulated GPUs differently from the driver (``a``: GPUs 1,0;
-``b``: GPUs 3,2; no GPU on two nodes, which the doctor would flag). Each route runs the same
+and two worker nodes that number the simulated GPUs differently from the driver (``a``: GPUs 2,0;
+``b``: GPUs 3,1; no GPU on two nodes, which the doctor would flag). Each route runs the same
 driver script (``ray_route_driver.py``) as a user would: the driver's Device reaches every node as
 the same GPU (UUID checked on the worker), and a node that cannot see it raises
 ``DeviceNotVisibleError``.
@@ -37,7 +37,9 @@ JOBS = importlib.util.find_spec("aiohttp") is not None
 @pytest.fixture(scope="module")
 def cluster(host_gpus):
     u = host_gpus
-    nodes = {"a": f"{u[1]},{u[0]}", "b": f"{u[3]},{u[2]}"}  # each node lacks two of the GPUs
+    # each node lacks two of the GPUs, and numbers one of its own unlike the driver whatever
+    # order Ray lists them in for a task (GPU 2 on a, GPU 3 on b: ordinal 0 or 1 there)
+    nodes = {"a": f"{u[2]},{u[0]}", "b": f"{u[3]},{u[1]}"}
     dashboard = free_port(RAY_IP) if JOBS else None
     with ray_cli_cluster(nodes, dashboard_port=dashboard) as address:
         yield {"gcs": address, "jobs": f"http://{RAY_IP}:{dashboard}", "nodes": nodes}
@@ -106,16 +108,16 @@ def test_a_submitted_job_with_the_worker_hook_whose_script_calls_gpu_serde_ray_i
 
 
 def test_a_submitted_job_whose_driver_is_not_installed_is_warned_by_its_workers(cluster):
-    # only the driver's GPU 1 (the job's env_vars reach its driver): an ordinal every node has,
+    # only the driver's GPU 0 (the job's env_vars reach its driver): an ordinal every node has,
     # so no task fails to unpickle
-    env = {"worker_process_setup_hook": HOOK, "env_vars": {"GPU_SERDE_TEST_ORDINALS": "1"}}
+    env = {"worker_process_setup_hook": HOOK, "env_vars": {"GPU_SERDE_TEST_ORDINALS": "0"}}
     done = submit(cluster, "plain", env)
     got = result_of(done)
     assert not got["by_uuid"]  # nothing of gpu_serde ran in this driver
-    # the driver's GPU 1 is not on node b, yet a task there gets b's own ordinal 1: another GPU
+    # the driver's GPU 0 is not on node b, yet a task there gets b's own ordinal 0: another GPU
     b = got["nodes"]["b"]
-    assert b["got"][got["host"][1]] == [1, b["seen"][1]]
-    assert b["seen"][1] != got["host"][1]
+    assert b["got"][got["host"][0]] == [0, b["seen"][0]]
+    assert b["seen"][0] != got["host"][0]
     assert "this job's driver did not install gpu_serde" in done.stdout
     assert ENV_HOOK in done.stdout  # and the warning says how to fix it
 
