@@ -1,16 +1,57 @@
-"""The ``gpu-serde`` command line."""
+"""The ``gpu-serde`` command line (also ``python -m gpu_serde``)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import textwrap
+from collections.abc import Callable
+from typing import Any
 
-from gpu_serde.inventory import inventory
+PROG = "gpu-serde"
+EXTRAS = {"ray": "ray", "distributed": "dask", "dask": "dask"}  # module -> the extra that brings it
+
+DEVICES_EXAMPLES = """\
+examples:
+  gpu-serde devices
+  CUDA_VISIBLE_DEVICES=1,0 gpu-serde devices --json
+"""
+DOCTOR_EXAMPLES = """\
+examples:
+  gpu-serde doctor --scheduler tcp://127.0.0.1:8786 --expect 4
+  gpu-serde doctor --ray 127.0.0.1:6379 --expect 3 --timeout 60 --json
+
+exit status: 0 when every expected worker answered and nothing was flagged; 1 on a problem
+(no worker, fewer than --expect, gpu_serde missing somewhere, a GPU claimed twice); 2 when the
+cluster cannot be reached or an extra is missing.
+"""
+DEMO_EXAMPLES = """\
+examples:
+  gpu-serde demo
+  gpu-serde demo --engine ray
+"""
 
 
-def _devices(_: argparse.Namespace) -> int:
+def _devices(args: argparse.Namespace) -> int:
+    from gpu_serde.inventory import inventory
+
     inv = inventory()
+    if args.json:
+        doc = {
+            "host": inv.host,
+            "pid": os.getpid(),
+            "cuda_visible_devices": inv.cuda_visible_devices,
+            "simulated": inv.simulated,
+            "reason": inv.reason,
+            "devices": [
+                {"ordinal": d.ordinal, "uuid": d.uuid, "name": d.name, "pci_bus_id": d.pci_bus_id}
+                for d in inv.devices
+            ],
+        }
+        print(json.dumps(doc, indent=2))
+        return 0
     print(f"host {inv.host}, pid {os.getpid()}")
     print(inv.describe())
     return 0
@@ -19,12 +60,21 @@ def _devices(_: argparse.Namespace) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     from gpu_serde import doctor
 
-    if args.ray:
-        reports = doctor.survey_ray(args.ray, args.node_ip_address)
+    try:
+        if args.ray:
+            survey = doctor.survey_ray(
+                args.ray, args.node_ip_address, timeout=args.timeout, expect=args.expect
+            )
+        else:
+            survey = doctor.survey_dask(args.scheduler, timeout=args.timeout, expect=args.expect)
+    except (ConnectionError, OSError, TimeoutError) as exc:
+        where = args.ray or args.scheduler
+        return _fail(f"doctor: cannot reach the cluster at {where}: {exc}")
+    if args.json:
+        print(json.dumps(survey.to_json(), indent=2))
     else:
-        reports = doctor.survey_dask(args.scheduler)
-    print(doctor.render(reports))
-    return 1 if any(r.problems for r in reports) else 0
+        print(doctor.render(survey))
+    return 0 if survey.ok else 1
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -33,30 +83,114 @@ def _demo(args: argparse.Namespace) -> int:
     return run(args.engine)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``gpu-serde``; returns the exit status."""
+def _fail(text: str) -> int:
+    print(f"{PROG}: {text}", file=sys.stderr)
+    return 2
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, not {text}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="gpu-serde", description="Send cuda.core GPU objects between processes by GPU UUID."
+        prog=PROG,
+        description="Send cuda.core GPU objects between processes by GPU UUID: inspect this "
+        "process's GPUs, check a running Ray or Dask cluster, or watch a demo.",
+        epilog="run 'gpu-serde COMMAND --help' for each command's options and examples",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("devices", help="this process's GPUs: ordinal, UUID, name, PCI id")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    formatter = argparse.RawDescriptionHelpFormatter
+
+    def command(name: str, summary: str, description: str, examples: str) -> Any:
+        return sub.add_parser(
+            name,
+            help=summary,
+            description=textwrap.fill(description, 88),
+            epilog=examples,
+            formatter_class=formatter,
+        )
+
+    p = command(
+        "devices",
+        "this process's GPUs: ordinal, UUID, name, PCI id",
+        "List the GPUs this process sees (after CUDA_VISIBLE_DEVICES), in ordinal order, with "
+        "their UUIDs: what a Device pickled here would be sent as.",
+        DEVICES_EXAMPLES,
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=_devices)
-    p = sub.add_parser("doctor", help="what every worker of a running cluster sees")
+
+    p = command(
+        "doctor",
+        "what every worker of a running cluster sees, and what is wrong",
+        "Ask every worker of a running cluster (and the Dask scheduler) which GPUs it sees, by "
+        "ordinal and UUID, and whether gpu_serde is installed there. Flags missing installs, "
+        "GPUs that two workers compute on, and fewer workers than --expect.",
+        DOCTOR_EXAMPLES,
+    )
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--ray", metavar="ADDRESS", help="a Ray cluster (host:port of the GCS)")
     target.add_argument("--scheduler", metavar="ADDRESS", help="a Dask scheduler (tcp://...)")
+    p.add_argument(
+        "--expect",
+        type=_non_negative,
+        default=0,
+        metavar="N",
+        help="wait for N Dask workers or N Ray nodes (head included); fewer is a problem",
+    )
+    p.add_argument(
+        "--timeout",
+        type=_positive_seconds,
+        default=60.0,
+        metavar="SECONDS",
+        help="how long to wait to connect and for --expect (default 60)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument(
         "--node-ip-address",
         help="Ray only: this machine's address as the cluster knows it (loopback clusters)",
     )
     p.set_defaults(func=_doctor)
-    p = sub.add_parser(
-        "demo", help="a local cluster whose workers number GPUs differently, shown working"
+
+    p = command(
+        "demo",
+        "a local cluster whose workers number GPUs differently, shown working",
+        "Start a local cluster whose workers see the GPUs in different orders (simulated GPUs "
+        "where there is no CUDA driver), send them one Device, and show each worker resolve it "
+        "to the same UUID; a worker that cannot see it raises DeviceNotVisibleError.",
+        DEMO_EXAMPLES,
     )
     p.add_argument("--engine", choices=["dask", "ray"], default="dask")
     p.set_defaults(func=_demo)
-    args = parser.parse_args(argv)
-    return args.func(args)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``gpu-serde``; returns the exit status (2 for a missing extra or an
+    unreachable cluster, with one line on stderr)."""
+    args = _parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except ModuleNotFoundError as exc:
+        top = (exc.name or "").split(".")[0]
+        if top not in EXTRAS:
+            raise
+        return _fail(
+            f"{args.command} needs {top}, which is not installed here: "
+            f"pip install 'gpu-serde[{EXTRAS[top]}]'"
+        )
 
 
 if __name__ == "__main__":  # pragma: no cover

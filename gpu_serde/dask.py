@@ -80,7 +80,16 @@ def register(client: Any) -> None:
 
     Args:
         client: a connected ``distributed.Client``.
+
+    Raises:
+        TypeError: ``client`` is not a ``distributed.Client``.
     """
+    from distributed import Client
+
+    if not isinstance(client, Client):
+        raise TypeError(
+            f"gpu_serde.dask.register() takes a distributed.Client, not {type(client).__name__}"
+        )
     ensure_installed("Dask")
     set_role("dask client")
     client.register_plugin(GPUSerdePlugin())

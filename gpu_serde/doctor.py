@@ -1,21 +1,29 @@
-"""``gpu-serde doctor``: what every worker of a running Ray or Dask cluster sees, and what is wrong.
+"""``gpu-serde doctor``: what each process of a running Ray or Dask cluster sees, and what is wrong.
 
-For each worker: host, pid, ``CUDA_VISIBLE_DEVICES``, its GPU map (ordinal, UUID) and whether
-gpu_serde is installed there. Flags workers without gpu_serde and GPUs that more than one worker
-(Dask) or node (Ray) claims.
+For each worker (and the Dask scheduler): host, pid, ``CUDA_VISIBLE_DEVICES``, its GPU map
+(ordinal, UUID) and whether gpu_serde is installed there. Flags processes without gpu_serde, GPUs
+that more than one worker (Dask) or node (Ray) claims, and fewer workers than expected.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
+
+#: Seconds a Ray node's probe may take (it may start a worker process first).
+PROBE_S = 120.0
 
 
 @dataclass
 class WorkerReport:
-    """What one worker process said about itself."""
+    """What one process said about itself.
+
+    ``role`` is ``"worker"``, ``"scheduler"`` or ``"client"`` (the doctor's own process).
+    """
 
     name: str
     host: str
@@ -27,6 +35,41 @@ class WorkerReport:
     version: str
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    role: str = "worker"
+
+
+@dataclass
+class Survey:
+    """The doctor's findings: every process's report and the cluster-wide problems."""
+
+    engine: str
+    address: str
+    reports: list[WorkerReport]
+    expected: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def workers(self) -> list[WorkerReport]:
+        """The reports of worker processes (not the scheduler or the client)."""
+        return [r for r in self.reports if r.role == "worker"]
+
+    @property
+    def ok(self) -> bool:
+        """True when at least one worker answered and nothing was flagged."""
+        return (
+            bool(self.workers) and not self.problems and not any(r.problems for r in self.reports)
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The survey as plain JSON data (what ``gpu-serde doctor --json`` prints)."""
+        return {
+            "engine": self.engine,
+            "address": self.address,
+            "expected": self.expected,
+            "ok": self.ok,
+            "problems": list(self.problems),
+            "processes": [asdict(r) for r in self.reports],
+        }
 
 
 def probe() -> dict[str, Any]:
@@ -61,21 +104,24 @@ def locate(device: Any) -> tuple[int, str]:
     return d.device_id, uuid_of(d.device_id)
 
 
-def _report(name: str, raw: dict[str, Any] | BaseException) -> WorkerReport:
+def _report(name: str, raw: dict[str, Any] | BaseException, role: str = "worker") -> WorkerReport:
     if isinstance(raw, BaseException):
-        return WorkerReport(name, "?", 0, None, [], "", False, "", [f"probe failed: {raw!r}"])
+        return WorkerReport(
+            name, "?", 0, None, [], "", False, "", [f"probe failed: {raw!r}"], role=role
+        )
     r = WorkerReport(
         name,
         raw["host"],
         raw["pid"],
         raw["cvd"],
-        [tuple(g) for g in raw["gpus"]],
+        [(int(o), str(u)) for o, u in raw["gpus"]],
         raw["reason"],
         raw["installed"],
         raw["version"],
+        role=role,
     )
-    if not r.installed:
-        r.problems.append("gpu_serde is not installed in this worker: Devices leave it by ordinal")
+    if not r.installed and role != "client":
+        r.problems.append(f"gpu_serde is not installed in this {role}: Devices leave it by ordinal")
     return r
 
 
@@ -94,40 +140,85 @@ def _flag_shared(reports: list[WorkerReport], what: str, *, primary_only: bool) 
                 r.problems.append(f"{uuid} is also {role} {others}")
 
 
-def survey_dask(address: str, timeout: float = 30) -> list[WorkerReport]:
-    """Probe every worker of the Dask scheduler at ``address``."""
+def _this_process() -> WorkerReport:
+    """The calling process, as a client of the cluster (reported, never flagged: the doctor's
+    own process is not the user's client or driver)."""
+    return _report("this process (client)", probe(), role="client")
+
+
+def _count_problem(survey: Survey, what: str) -> None:
+    n = len(survey.workers)
+    if n == 0:
+        survey.problems.append(f"no {what} answered: has any joined yet? (--expect N waits)")
+    elif n < survey.expected:
+        survey.problems.append(f"only {n} of {survey.expected} expected {what}(s) answered")
+
+
+def survey_dask(address: str, timeout: float = 30, expect: int = 0) -> Survey:
+    """Probe the scheduler and every worker of the Dask scheduler at ``address``, after waiting
+    up to ``timeout`` seconds for ``expect`` workers to join.
+
+    Raises:
+        OSError: the scheduler cannot be reached within ``timeout``.
+    """
     from distributed import Client
 
-    with Client(address, timeout=timeout) as client:
+    with Client(address, timeout=timeout) as client:  # type: ignore[no-untyped-call]
+        if expect:
+            with contextlib.suppress(TimeoutError):  # reported below: fewer workers than expected
+                client.wait_for_workers(expect, timeout=timeout)
         names = {
             a: w.get("name", a) for a, w in client.scheduler_info(n_workers=-1)["workers"].items()
         }
         raw = client.run(probe, on_error="return")
-    reports = []
-    for addr, result in sorted(raw.items()):
-        reports.append(_report(f"{names.get(addr, addr)} ({addr})", result))
-    _flag_shared(reports, "worker", primary_only=True)
-    return reports
+        try:
+            scheduler = _report("scheduler", client.run_on_scheduler(probe), role="scheduler")
+        except Exception as exc:  # a scheduler that cannot run the probe is itself a finding
+            scheduler = _report("scheduler", exc, role="scheduler")
+    workers = [_report(f"{names.get(a, a)} ({a})", result) for a, result in sorted(raw.items())]
+    _flag_shared(workers, "worker", primary_only=True)
+    survey = Survey("dask", address, [scheduler, *workers, _this_process()], expect)
+    _count_problem(survey, "worker")
+    return survey
 
 
-def survey_ray(address: str, node_ip_address: str | None = None) -> list[WorkerReport]:
-    """Probe one worker on every alive node of the Ray cluster at ``address``, in a job started
-    with gpu_serde's hook; a node where the hook did not run is flagged. ``node_ip_address`` is
-    this machine's address as the cluster knows it (Ray's ``_node_ip_address``), where Ray cannot
-    tell by itself (a cluster on a loopback address other than 127.0.0.1)."""
+def _alive_nodes(ray: Any, expect: int, timeout: float) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout
+    while True:
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        if len(nodes) >= expect or time.monotonic() >= deadline:
+            return nodes
+        time.sleep(0.5)
+
+
+def survey_ray(
+    address: str, node_ip_address: str | None = None, timeout: float = 120, expect: int = 0
+) -> Survey:
+    """Probe one worker on every alive node of the Ray cluster at ``address`` (head included),
+    after waiting up to ``timeout`` seconds for ``expect`` nodes (each probe then gets
+    :data:`PROBE_S` seconds), in a job started with
+    gpu_serde's hook; a node where the hook did not run is flagged. ``node_ip_address`` is this
+    machine's address as the cluster knows it (Ray's ``_node_ip_address``), where Ray cannot
+    tell by itself (a cluster on a loopback address other than 127.0.0.1).
+
+    Raises:
+        ConnectionError: no Ray cluster answers at ``address``.
+    """
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    import gpu_serde
     import gpu_serde.ray
 
+    me = _this_process()
     extra = {"_node_ip_address": node_ip_address} if node_ip_address else {}
-    ray.init(address=address, runtime_env=gpu_serde.ray.runtime_env(), log_to_driver=False, **extra)
+    connected = ray.is_initialized()  # called from a driver: survey its own cluster
+    if not connected:
+        gpu_serde.ray.init(address=address, log_to_driver=False, **extra)
     try:
         task = ray.remote(max_retries=0)(probe)
         refs = {}
-        for node in ray.nodes():
-            if not node.get("Alive"):
-                continue
+        for node in _alive_nodes(ray, expect, timeout):
             gpus = int(node.get("Resources", {}).get("GPU", 0))
             where = NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
             name = f"node {node['NodeID'][:12]} ({node.get('NodeManagerAddress')}, {gpus} GPU)"
@@ -137,7 +228,7 @@ def survey_ray(address: str, node_ip_address: str | None = None) -> list[WorkerR
         owning = []
         for name, (ref, gpus) in refs.items():
             try:
-                r = _report(name, ray.get(ref, timeout=120))
+                r = _report(name, ray.get(ref, timeout=PROBE_S))
             except Exception as exc:  # a node that cannot run the probe is itself a finding
                 r = _report(name, exc)
             reports.append(r)
@@ -149,26 +240,36 @@ def survey_ray(address: str, node_ip_address: str | None = None) -> list[WorkerR
                     "(num_gpus=0 tasks are not masked)"
                 )
     finally:
-        ray.shutdown()
+        if not connected:
+            ray.shutdown()
+            if not me.installed:
+                gpu_serde.uninstall()
     for r in reports:
-        if not r.installed:
+        if not r.installed and r.host != "?":
             r.problems[:] = [
                 "gpu_serde's worker hook did not run here (is gpu_serde installed on this node?)"
             ]
     _flag_shared(owning, "node", primary_only=False)
-    return reports
+    survey = Survey("ray", address, [*reports, me], expect)
+    _count_problem(survey, "node")
+    return survey
 
 
-def render(reports: list[WorkerReport]) -> str:
-    """The doctor's text: one block per worker, problems marked ``!``."""
+def render(survey: Survey) -> str:
+    """The doctor's text: one block per process, problems marked ``!``, a summary line."""
     lines = []
-    for r in reports:
+    for r in survey.reports:
         cvd = "unset" if r.cuda_visible_devices is None else repr(r.cuda_visible_devices)
-        state = f"gpu_serde {r.version} installed" if r.installed else "gpu_serde NOT installed"
+        if r.role == "client":  # the caller: the doctor's own process, or a driver that asked
+            state = "gpu_serde " + ("installed" if r.installed else "not installed") + " here"
+        else:
+            state = f"gpu_serde {r.version} installed" if r.installed else "gpu_serde NOT installed"
         lines.append(f"{r.name}: host {r.host}, pid {r.pid}, CUDA_VISIBLE_DEVICES={cvd}, {state}")
         lines += [f"    {o}  {u}" for o, u in r.gpus] or [f"    no GPU: {r.reason}"]
         lines += [f"  - {n}" for n in r.notes]
         lines += [f"  ! {p}" for p in r.problems]
-    bad = sum(bool(r.problems) for r in reports)
-    lines.append(f"{len(reports)} worker(s), {bad} with problems")
+    lines += [f"! {p}" for p in survey.problems]
+    bad = sum(bool(r.problems) for r in survey.reports)
+    verdict = "OK" if survey.ok else "PROBLEMS"
+    lines.append(f"{len(survey.workers)} worker(s), {bad} process(es) with problems: {verdict}")
     return "\n".join(lines)

@@ -1,16 +1,25 @@
 """Ray adapter: Devices keep their GPU across tasks, actors, nodes and the object store.
 
-Use :func:`init` in place of ``ray.init``, or merge :func:`runtime_env` into the job's runtime_env::
+Every process that pickles a Device needs gpu_serde installed: the driver and every worker. Pick
+one of these (each is tested; see docs/deployment.md)::
 
-    import gpu_serde.ray
-    gpu_serde.ray.init()                      # ray.init + worker hook + install() here
+    gpu_serde.ray.init(...)                                   # in place of ray.init
+    RAY_RUNTIME_ENV_HOOK=gpu_serde.ray.runtime_env_hook      # in the driver's environment
+    ray job submit --runtime-env-json \\
+      '{"worker_process_setup_hook": "gpu_serde.ray.setup_worker",
+        "env_vars": {"RAY_RUNTIME_ENV_HOOK": "gpu_serde.ray.runtime_env_hook"}}' -- python job.py
 
 Only the job-level runtime_env reaches ``worker_process_setup_hook``; Ray ignores it when given
 per task or actor in ``.options(runtime_env=...)``.
+
+A driver that installed gpu_serde this way marks its job (the environment variable
+:data:`DRIVER_MARK` in its workers); a worker whose job lacks the mark logs a warning that Devices
+from that driver arrive by ordinal.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import Any
@@ -18,8 +27,14 @@ from typing import Any
 from gpu_serde.inventory import set_role
 from gpu_serde.registry import ensure_installed
 
+#: The ``worker_process_setup_hook`` that installs gpu_serde in a Ray worker.
 HOOK = "gpu_serde.ray.setup_worker"
+#: The ``RAY_RUNTIME_ENV_HOOK`` value that installs gpu_serde in the driver and adds :data:`HOOK`.
+ENV_HOOK = "gpu_serde.ray.runtime_env_hook"
+#: The environment variable an installed driver sets in its job's workers.
+DRIVER_MARK = "GPU_SERDE_RAY_DRIVER"
 _KEY = "worker_process_setup_hook"
+_JOB_CONFIG = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # set by Ray's job supervisor for a submitted job
 logger = logging.getLogger("gpu_serde.ray")
 
 
@@ -29,6 +44,8 @@ def setup_worker() -> None:
     Runs once in each worker process before its first task (Ray calls it by the name
     ``"gpu_serde.ray.setup_worker"``, so gpu_serde must be installed on every node). Task return
     values are pickled in the worker, so workers need the reducers as much as the driver does.
+    Logs a warning (Ray shows it at the driver) when the job's driver did not install gpu_serde:
+    Devices that driver sends arrive by ordinal.
 
     It deliberately does not enumerate GPUs: the hook runs before Ray sets the first task's
     ``CUDA_VISIBLE_DEVICES``, and CUDA reads that variable once, at initialisation. Enumerating
@@ -43,23 +60,41 @@ def setup_worker() -> None:
         node = "?"
     set_role(f"ray worker on node {node[:12]}")
     logger.debug("gpu_serde: installed in ray worker pid %d on node %s", os.getpid(), node)
+    if not driver_installed():
+        logger.warning(
+            "gpu_serde: this job's driver did not install gpu_serde, so Devices it sends reach "
+            "workers by ordinal (possibly another GPU). Start the driver with "
+            "gpu_serde.ray.init(), or set RAY_RUNTIME_ENV_HOOK=%s in its environment "
+            "(for `ray job submit`: in the job's runtime_env env_vars).",
+            ENV_HOOK,
+        )
+
+
+def driver_installed() -> bool:
+    """In a Ray worker: True if this job's driver installed gpu_serde (through :func:`init` or
+    :func:`runtime_env_hook`), which marks the job's workers with :data:`DRIVER_MARK`."""
+    return bool(os.environ.get(DRIVER_MARK))
 
 
 def runtime_env(env: dict[str, Any] | None = None) -> dict[str, Any]:
     """Return a copy of ``env`` (a Ray runtime_env dict) with gpu_serde's worker hook added.
 
+    It installs nothing in this process: use it to build a job's runtime_env (for example for
+    ``JobSubmissionClient.submit_job``); the driver still needs :func:`init` or
+    :func:`runtime_env_hook`.
+
     Raises:
         ValueError: ``env`` already names another ``worker_process_setup_hook``; call
             :func:`setup_worker` from that hook instead.
-        TypeError: ``env`` is not a dict.
+        TypeError: ``env`` is not a dict (or None).
     """
     if env is None:
         env = {}
     elif not isinstance(env, dict):
-        raise TypeError(f"runtime_env must be a dict, not {type(env).__name__}")
+        raise TypeError(f"runtime_env must be a dict or None, not {type(env).__name__}")
     merged = dict(env)
     current = merged.get(_KEY)
-    if current is not None and current != HOOK and current is not setup_worker:
+    if current is not None and not _is_ours(current):
         raise ValueError(
             f"runtime_env already has {_KEY}={current!r}; gpu_serde will not replace it. "
             "Call gpu_serde.ray.setup_worker() from inside your own hook instead."
@@ -68,16 +103,77 @@ def runtime_env(env: dict[str, Any] | None = None) -> dict[str, Any]:
     return merged
 
 
-def init(*args: Any, **kwargs: Any) -> Any:
-    """``ray.init`` with gpu_serde's worker hook merged into ``runtime_env``, and :func:`install`
-    in this (driver) process. Takes and returns what ``ray.init`` does.
+def _is_ours(hook: Any) -> bool:
+    return hook == HOOK or hook is setup_worker
+
+
+def _marked(env: dict[str, Any]) -> dict[str, Any]:
+    env_vars = env.get("env_vars") or {}
+    if not isinstance(env_vars, dict):
+        raise TypeError(f"runtime_env['env_vars'] must be a dict, not {type(env_vars).__name__}")
+    return {**env, "env_vars": {**env_vars, DRIVER_MARK: "1"}}
+
+
+def _install_driver() -> None:
+    ensure_installed("Ray")
+    set_role("ray driver")
+
+
+def runtime_env_hook(env: dict[str, Any] | None) -> dict[str, Any]:
+    """A ``RAY_RUNTIME_ENV_HOOK`` entry: ``RAY_RUNTIME_ENV_HOOK=gpu_serde.ray.runtime_env_hook``.
+
+    Ray calls it in the driver, inside ``ray.init``, with the job's runtime_env (a dict or None).
+    It installs gpu_serde in the driver and returns the runtime_env with the worker hook and the
+    driver mark added. Set in a submitted job's ``env_vars``, it reaches the job's driver too, so
+    a plain ``ray.init()`` in the script is enough.
 
     Raises:
-        ValueError: as :func:`runtime_env`.
+        ValueError, TypeError: as :func:`runtime_env`.
+    """
+    merged = runtime_env(env)
+    _install_driver()
+    return _marked(merged)
+
+
+def _job_runtime_env() -> dict[str, Any] | None:
+    """The runtime_env of the submitted job this driver runs in (Ray's job supervisor passes it
+    in an environment variable), or None outside a submitted job."""
+    raw = os.environ.get(_JOB_CONFIG)
+    if not raw:
+        return None
+    try:
+        env = json.loads(raw).get("runtime_env") or {}
+    except (ValueError, AttributeError):
+        return None
+    return env if isinstance(env, dict) else None
+
+
+def init(*args: Any, **kwargs: Any) -> Any:
+    """``ray.init`` with gpu_serde's worker hook merged into ``runtime_env``, and gpu_serde
+    installed in this (driver) process. Takes and returns what ``ray.init`` does.
+
+    In a job started by ``ray job submit`` whose runtime_env already carries the worker hook,
+    the hook is not given again (Ray refuses a key that both the job and ``ray.init`` set).
+
+    Raises:
+        ValueError: as :func:`runtime_env`, or the submitted job's runtime_env names another
+            ``worker_process_setup_hook``.
+        TypeError: ``runtime_env`` is not a dict (or None).
     """
     import ray
 
-    kwargs["runtime_env"] = runtime_env(kwargs.get("runtime_env"))
-    ensure_installed("Ray")
-    set_role("ray driver")
+    env = runtime_env(kwargs.get("runtime_env"))
+    job = _job_runtime_env()
+    if job is not None and job.get(_KEY) is not None:
+        if not _is_ours(job[_KEY]):
+            raise ValueError(
+                f"the submitted job's runtime_env has {_KEY}={job[_KEY]!r}; gpu_serde will not "
+                "replace it. Call gpu_serde.ray.setup_worker() from inside that hook instead."
+            )
+        del env[_KEY]  # the job gives it already
+    job_vars = (job or {}).get("env_vars") or {}
+    if DRIVER_MARK not in job_vars:
+        env = _marked(env)
+    _install_driver()
+    kwargs["runtime_env"] = env or None
     return ray.init(*args, **kwargs)

@@ -110,14 +110,16 @@ def test_ray_a_device_made_on_a_node_resolves_in_the_driver(ray_cluster):
 
 def test_ray_doctor_reports_every_node(ray_address, host_gpus):
     address, ip, _ = ray_address
-    cmd = [sys.executable, "-m", "gpu_serde.cli", "doctor", "--ray", address]
+    cmd = [sys.executable, "-m", "gpu_serde", "doctor", "--ray", address]
     cmd += ["--node-ip-address", ip] if ip else []
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     for uuid in host_gpus:
         assert uuid in done.stdout, done.stdout + done.stderr
     assert "NOT installed" not in done.stdout
     if ip:  # our own layout gives each node its own GPUs: nothing to flag
-        assert done.returncode == 0 and "0 with problems" in done.stdout, done.stdout
+        assert done.returncode == 0 and "0 process(es) with problems: OK" in done.stdout, (
+            done.stdout
+        )
 
 
 # --- Dask ----------------------------------------------------------------------------------
@@ -166,11 +168,12 @@ def test_dask_a_blind_worker_raises_and_keeps_its_address(dask_client, host_gpus
 
 def test_dask_doctor_reports_every_worker_and_flags_nothing(dask_client, dask_address, host_gpus):
     address, expected = dask_address
-    reports = doctor.survey_dask(address)
-    text = doctor.render(reports)
+    survey = doctor.survey_dask(address, expect=expected)
+    text = doctor.render(survey)
+    reports = survey.workers
     assert len(reports) == expected
     for uuid in host_gpus:
         assert uuid in text
     assert all(r.installed for r in reports)
     if not os.environ.get("GPU_SERDE_DASK_SCHEDULER"):  # our layout: distinct device 0s
-        assert "0 with problems" in text, text
+        assert "0 process(es) with problems: OK" in text, text

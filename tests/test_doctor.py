@@ -16,13 +16,15 @@ def test_doctor_flags_a_missing_install_and_a_shared_device_0(simulated_gpus):
     }
     scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": ":0"}}
     with SpecCluster(workers=workers, scheduler=scheduler) as cluster:
-        reports = {r.name.split(" ")[0]: r for r in doctor.survey_dask(cluster.scheduler_address)}
-    text = doctor.render(list(reports.values()))
+        survey = doctor.survey_dask(cluster.scheduler_address)
+    reports = {r.name.split(" ")[0]: r for r in survey.workers}
+    text = doctor.render(survey)
     assert set(reports) == {"x", "y", "z"}
     assert [g for _, g in reports["y"].gpus] == [u[0], u[1]]
     assert any(f"{u[0]} is also device 0 of worker y" in p for p in reports["x"].problems)
     assert not any("device 0" in p for p in reports["z"].problems)
-    # nobody registered the plugin or preloaded gpu_serde: every worker is flagged
+    # nobody registered the plugin or preloaded gpu_serde: every worker and the scheduler is flagged
     assert all(not r.installed for r in reports.values())
     assert "gpu_serde NOT installed" in text
-    assert "3 worker(s), 3 with problems" in text
+    assert "3 worker(s), 4 process(es) with problems: PROBLEMS" in text
+    assert not survey.ok

@@ -123,13 +123,33 @@ class Processes:
                 p.wait(5)
 
 
+def _dashboard_args(port: int | None) -> list[str]:
+    if port is None:
+        return ["--include-dashboard", "false"]
+    return [
+        "--include-dashboard",
+        "true",
+        "--dashboard-host",
+        RAY_IP,
+        "--dashboard-port",
+        str(port),
+    ]
+
+
 @contextlib.contextmanager
 def ray_cli_cluster(
-    nodes: Mapping[str, str], env: Mapping[str, str] | None = None
+    nodes: Mapping[str, str | None],
+    env: Mapping[str, str] | None = None,
+    *,
+    dashboard_port: int | None = None,
 ) -> Iterator[str]:
     """``ray start --head`` plus one ``ray start`` worker node per entry of ``nodes`` (name ->
     ``CUDA_VISIBLE_DEVICES``; ``--num-gpus`` is its entry count, a custom resource ``node_<name>``
-    marks it). Yields the GCS address."""
+    marks it; ``None`` leaves the variable unset and lets Ray count the GPUs itself). Yields the
+    GCS address.
+
+    With ``dashboard_port``, the head also runs the dashboard (and so the job server, for
+    ``ray job submit --address http://127.0.0.2:<port>``); it needs ``ray[default]``."""
     base = dict(os.environ if env is None else env)
     tmp = tempfile.mkdtemp(prefix="gsr-", dir="/tmp")  # short: Ray's socket paths are limited
     procs = Processes(tmp)
@@ -149,8 +169,7 @@ def ray_cli_cluster(
                 "1",
                 "--num-gpus",
                 "0",
-                "--include-dashboard",
-                "false",
+                *_dashboard_args(dashboard_port),
                 *common,
             ],
             _env(base, None),
@@ -158,7 +177,10 @@ def ray_cli_cluster(
         )
         procs.wait_for(head, f"{tmp}/head.log", "Ray runtime started")
         for name, cvd in nodes.items():
-            count = len([e for e in cvd.split(",") if e]) if cvd else 0
+            # None: CUDA_VISIBLE_DEVICES unset and Ray counts the GPUs itself (through NVML)
+            count = (
+                [] if cvd is None else ["--num-gpus", str(len([e for e in cvd.split(",") if e]))]
+            )
             node = procs.start(
                 [
                     cli("ray"),
@@ -167,8 +189,7 @@ def ray_cli_cluster(
                     address,
                     "--num-cpus",
                     "2",
-                    "--num-gpus",
-                    str(count),
+                    *count,
                     "--resources",
                     json.dumps({f"node_{name}": 100}),
                     *common,
@@ -189,15 +210,22 @@ def dask_cli_cluster(
     workers: Mapping[str, str],
     env: Mapping[str, str] | None = None,
     scheduler_env: Mapping[str, str] | None = None,
+    *,
+    preload: bool = True,
+    worker_env: Mapping[str, Mapping[str, str]] | None = None,
 ) -> Iterator[str]:
     """``dask scheduler --preload gpu_serde.dask`` and one ``dask worker --preload gpu_serde.dask``
-    per entry of ``workers`` (name -> ``CUDA_VISIBLE_DEVICES``). Yields the scheduler address."""
+    per entry of ``workers`` (name -> ``CUDA_VISIBLE_DEVICES``). Yields the scheduler address.
+
+    ``preload=False`` leaves ``--preload`` out (for set-ups that preload through Dask's config);
+    ``worker_env`` adds variables to the named workers' environments."""
     base = dict(os.environ if env is None else env)
     tmp = tempfile.mkdtemp(prefix="gsd-", dir="/tmp")
     procs = Processes(tmp)
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
-    common = ["--preload", "gpu_serde.dask", "--no-dashboard"]
+    common = [*(["--preload", "gpu_serde.dask"] if preload else []), "--no-dashboard"]
+    extra = worker_env or {}
     try:
         procs.start(
             [
@@ -230,7 +258,7 @@ def dask_cli_cluster(
                     "--local-directory",
                     tmp,
                 ],
-                _env(base, cvd),
+                _env({**base, **extra.get(name, {})}, cvd),
                 f"{tmp}/{name}.log",
             )
         yield address

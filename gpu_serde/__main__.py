@@ -1,0 +1,7 @@
+"""``python -m gpu_serde``: the ``gpu-serde`` command line."""
+
+import sys
+
+from gpu_serde.cli import main
+
+sys.exit(main())

@@ -1,0 +1,102 @@
+"""``gpu-serde`` / ``python -m gpu_serde``: help, JSON, a missing extra, and typed argument errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import gpu_serde.dask
+import gpu_serde.ray
+
+
+def gpu_serde_cli(*args: str, prelude: str = "") -> subprocess.CompletedProcess:
+    """``python -m gpu_serde ARGS``, after ``prelude`` (Python run first in the same process)."""
+    code = f"import runpy, sys\n{prelude}\nsys.argv = ['gpu_serde', *{list(args)!r}]\n"
+    code += "runpy.run_module('gpu_serde', run_name='__main__')"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("command", ["devices", "doctor", "demo"])
+def test_each_command_has_a_description_and_an_example(command):
+    done = subprocess.run(
+        [sys.executable, "-m", "gpu_serde", command, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0
+    assert "examples:" in done.stdout
+    assert f"gpu-serde {command}" in done.stdout.split("examples:")[1]
+
+
+def test_devices_json_lists_this_process_gpus_by_uuid(sim_env, simulated_gpus):
+    env = sim_env([simulated_gpus[2].uuid, simulated_gpus[0].uuid])
+    done = subprocess.run(
+        [sys.executable, "-m", "gpu_serde", "devices", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    doc = json.loads(done.stdout)
+    assert [(d["ordinal"], d["uuid"]) for d in doc["devices"]] == [
+        (0, simulated_gpus[2].uuid),
+        (1, simulated_gpus[0].uuid),
+    ]
+    assert doc["simulated"] is True
+
+
+def test_a_missing_engine_is_one_line_naming_the_extra():
+    # `None` in sys.modules makes `import ray` fail as if Ray were not installed
+    done = gpu_serde_cli("doctor", "--ray", "127.0.0.1:1", prelude="sys.modules['ray'] = None")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "gpu-serde: doctor needs ray, which is not installed here: pip install 'gpu-serde[ray]'"
+    ]
+
+
+def test_an_unreachable_scheduler_is_one_line():
+    done = gpu_serde_cli("doctor", "--scheduler", "tcp://127.0.0.1:9", "--timeout", "2")
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("gpu-serde: doctor: cannot reach the cluster at tcp://127.0.0.1:9")
+
+
+def test_a_negative_expect_is_refused_by_the_parser():
+    done = gpu_serde_cli("doctor", "--scheduler", "tcp://127.0.0.1:9", "--expect", "-1")
+    assert done.returncode == 2
+    assert "must be 0 or more" in done.stderr
+
+
+def test_register_names_the_client_type_it_takes():
+    with pytest.raises(TypeError, match=r"takes a distributed.Client, not str"):
+        gpu_serde.dask.register("nope")
+
+
+@pytest.mark.parametrize("bad", [5, "env", ["a"]])
+def test_runtime_env_names_the_dict_it_takes(bad):
+    with pytest.raises(TypeError, match="must be a dict or None"):
+        gpu_serde.ray.runtime_env(bad)
+
+
+def test_the_env_hook_installs_the_driver_and_adds_the_worker_hook_and_the_mark():
+    import pickle
+
+    from cuda.core import Device
+
+    assert b"gpu_serde" not in pickle.dumps(Device(0))  # not installed before the hook runs
+    try:
+        env = gpu_serde.ray.runtime_env_hook({"env_vars": {"A": "1"}})
+        assert env == {
+            "env_vars": {"A": "1", gpu_serde.ray.DRIVER_MARK: "1"},
+            "worker_process_setup_hook": gpu_serde.ray.HOOK,
+        }
+        assert (
+            gpu_serde.ray.runtime_env_hook(None)["worker_process_setup_hook"] == gpu_serde.ray.HOOK
+        )
+        assert b"gpu_serde" in pickle.dumps(Device(0))  # this (driver) process sends by UUID
+    finally:
+        gpu_serde.uninstall()
