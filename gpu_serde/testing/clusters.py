@@ -41,7 +41,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free on ``host`` a moment ago."""
     with socket.socket() as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 def _env(base: Mapping[str, str], cvd: str | None) -> dict[str, str]:
@@ -56,12 +56,18 @@ def _env(base: Mapping[str, str], cvd: str | None) -> dict[str, str]:
     return env
 
 
+def _command(p: subprocess.Popen[bytes]) -> str:
+    """The start of a process's command line, for messages."""
+    args = p.args if isinstance(p.args, (list, tuple)) else [p.args]
+    return " ".join(str(a) for a in args[:3])
+
+
 class Processes:
     """Processes started for one cluster, each in its own process group."""
 
     def __init__(self, marker: str) -> None:
         self.marker = marker
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
         self.logs: list[str] = []
 
     def report_early_exits(self) -> None:
@@ -71,11 +77,13 @@ class Processes:
                 with open(log, errors="replace") as f:
                     tail = f.read()[-2000:]
                 print(
-                    f"--- {' '.join(p.args[:3])} exited {p.returncode}; {log}:\n{tail}",
+                    f"--- {_command(p)} exited {p.returncode}; {log}:\n{tail}",
                     file=sys.stderr,
                 )
 
-    def wait_for(self, p: subprocess.Popen, log: str, text: str, timeout: float = 90) -> None:
+    def wait_for(
+        self, p: subprocess.Popen[bytes], log: str, text: str, timeout: float = 90
+    ) -> None:
         """Wait until ``text`` appears in ``log`` (the process is up); fail if it ends first."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -86,9 +94,9 @@ class Processes:
                 break
             time.sleep(0.2)
         self.report_early_exits()
-        raise RuntimeError(f"{' '.join(p.args[:3])} did not come up; see {log}")
+        raise RuntimeError(f"{_command(p)} did not come up; see {log}")
 
-    def start(self, cmd: list[str], env: dict[str, str], log: str) -> subprocess.Popen:
+    def start(self, cmd: list[str], env: dict[str, str], log: str) -> subprocess.Popen[bytes]:
         out = open(log, "ab")  # noqa: SIM115 - closed with the process
         p = subprocess.Popen(
             cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
