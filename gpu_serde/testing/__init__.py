@@ -36,7 +36,10 @@ __all__ = [
 ]
 
 SPEC_ENV = "GPU_SERDE_SIM_GPUS"
-_SOURCE = Path(__file__).with_name("simdriver.c")
+_HERE = Path(__file__).parent
+#: The stand-in's C sources (simdriver.c first), compiled together into one library.
+_SOURCES = [_HERE / f"{name}.c" for name in ("simdriver", "simctx", "simmem", "simcopy", "simvmm")]
+_HEADER = _HERE / "simdriver.h"
 
 
 class SimulatedDriverError(RuntimeError):
@@ -85,8 +88,7 @@ def driver_dir() -> Path:
     Raises:
         SimulatedDriverError: no C compiler, or the build failed.
     """
-    source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(source).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in [_HEADER, *_SOURCES])).hexdigest()[:16]
     folder = _cache_root() / f"simdriver-{digest}"
     lib = folder / "libcuda.so.1"
     if lib.exists():
@@ -99,7 +101,8 @@ def driver_dir() -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".build-", suffix=".so")
     os.close(fd)
-    cmd = [cc, "-O2", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", tmp, str(_SOURCE)]
+    cmd = [cc, "-O2", "-shared", "-fPIC", "-pthread", "-Wl,-soname,libcuda.so.1", "-o", tmp]
+    cmd += [str(p) for p in _SOURCES]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         os.unlink(tmp)

@@ -5,24 +5,19 @@
  * "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" or "MIG-...") and applies CUDA_VISIBLE_DEVICES at cuInit
  * the way the real driver does: unset selects every GPU; an empty string selects none; entries are
  * ordinals or GPU-/MIG- UUIDs (full or a unique prefix, any case); the list stops at the first invalid
- * entry. It implements device enumeration and identity only: no contexts, memory, streams or kernels.
+ * entry. This file holds device enumeration and identity, errors and cuGetProcAddress; contexts,
+ * streams and events are in simctx.c, memory pools and their IPC in simmem.c, copies in simcopy.c and
+ * virtual memory management in simvmm.c. There are no kernels, no modules and no runtime export table.
  */
+#define _GNU_SOURCE
 #include <ctype.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-typedef int CUresult;
-typedef int CUdevice;
-typedef void *CUcontext;
-typedef struct { char bytes[16]; } CUuuid;
+#include "simdriver.h"
 
-enum {
-    SUCCESS = 0, INVALID_VALUE = 1, NOT_INITIALIZED = 3, NO_DEVICE = 100, INVALID_DEVICE = 101,
-    INVALID_CONTEXT = 201, NOT_FOUND = 500, NOT_SUPPORTED = 801,
-};
-
-#define MAX_GPUS 64
 struct gpu { unsigned char uuid[16]; int mig; char name[256]; char pci[32]; };
 static struct gpu all_gpus[MAX_GPUS];
 static int n_all = -1;               /* -1: not parsed yet, -2: spec invalid */
@@ -225,7 +220,16 @@ CUresult cuDeviceGetAttribute(int *value, int attrib, CUdevice dev) {
     case 16: *value = 132; break;    /* multiprocessor count */
     case 1: *value = 1024; break;    /* max threads per block */
     case 10: *value = 32; break;     /* warp size */
-    case 102: *value = 1; break;     /* virtual memory management supported (no allocations) */
+    case 41: *value = 1; break;      /* unified addressing */
+    case 19: *value = 1; break;      /* can map host memory */
+    case 102: *value = 1; break;     /* virtual memory management */
+    case 103: *value = 1; break;     /* POSIX fd handles */
+    case 115: *value = 1; break;     /* memory pools */
+    case 119: *value = 1; break;     /* pool handle types: POSIX fd */
+    case 125: *value = 1; break;     /* IPC events */
+    case 130: *value = 0; break;     /* NUMA config: none */
+    case 131: case 134: *value = 0; break; /* NUMA id, host NUMA id */
+    case 141: case 142: case 144: case 145: *value = 1; break; /* host pools and VMM */
     case 33: case 34: case 50: {     /* PCI bus / device / domain id */
         unsigned dom = 0, bus = 0, devn = 0;
         const char *pci = all_gpus[visible[dev]].pci;
@@ -241,8 +245,23 @@ CUresult cuDeviceGetAttribute(int *value, int attrib, CUdevice dev) {
     return SUCCESS;
 }
 
-CUresult cuCtxGetDevice(CUdevice *dev) { (void)dev; return INVALID_CONTEXT; }
-CUresult cuCtxGetCurrent(CUcontext *ctx) { if (!ctx) return INVALID_VALUE; *ctx = NULL; return SUCCESS; }
+CUresult sim_check_device(CUdevice dev) { return check(dev); }
+int sim_device_count(void) { return n_visible; }
+const unsigned char *sim_device_uuid(CUdevice dev) { return all_gpus[visible[dev]].uuid; }
+
+CUdevice sim_device_by_uuid(const unsigned char *uuid) {
+    for (int d = 0; d < n_visible; d++)
+        if (memcmp(all_gpus[visible[d]].uuid, uuid, 16) == 0) return d;
+    return -1;
+}
+
+/* GPU_SERDE_SIM_TRACE=1: every failing call says so on stderr. */
+CUresult sim_fail(CUresult code, const char *fn) {
+    static int trace = -1;
+    if (trace < 0) { const char *t = getenv("GPU_SERDE_SIM_TRACE"); trace = t && strcmp(t, "1") == 0; }
+    if (trace && code) fprintf(stderr, "gpu_serde simulated driver: %s -> %d\n", fn, code);
+    return code;
+}
 
 static const char *err_name(CUresult e) {
     switch (e) {
@@ -253,6 +272,12 @@ static const char *err_name(CUresult e) {
     case INVALID_DEVICE: return "CUDA_ERROR_INVALID_DEVICE";
     case INVALID_CONTEXT: return "CUDA_ERROR_INVALID_CONTEXT";
     case NOT_FOUND: return "CUDA_ERROR_NOT_FOUND";
+    case NOT_PERMITTED: return "CUDA_ERROR_NOT_PERMITTED";
+    case NOT_READY: return "CUDA_ERROR_NOT_READY";
+    case INVALID_HANDLE: return "CUDA_ERROR_INVALID_HANDLE";
+    case ALREADY_MAPPED: return "CUDA_ERROR_ALREADY_MAPPED";
+    case CONTEXT_ALREADY_CURRENT: return "CUDA_ERROR_CONTEXT_ALREADY_CURRENT";
+    case OUT_OF_MEMORY: return "CUDA_ERROR_OUT_OF_MEMORY";
     case NOT_SUPPORTED: return "CUDA_ERROR_NOT_SUPPORTED";
     default: return NULL;
     }
@@ -267,6 +292,12 @@ static const char *err_string(CUresult e) {
     case INVALID_DEVICE: return "invalid device ordinal";
     case INVALID_CONTEXT: return "invalid device context";
     case NOT_FOUND: return "named symbol not found";
+    case NOT_PERMITTED: return "operation not permitted";
+    case NOT_READY: return "device not ready";
+    case INVALID_HANDLE: return "invalid resource handle";
+    case ALREADY_MAPPED: return "resource already mapped";
+    case CONTEXT_ALREADY_CURRENT: return "context already current";
+    case OUT_OF_MEMORY: return "out of memory";
     case NOT_SUPPORTED: return "operation not supported (gpu_serde simulated driver)";
     default: return NULL;
     }
@@ -284,6 +315,104 @@ CUresult cuGetErrorString(CUresult e, const char **s) {
     return *s ? SUCCESS : INVALID_VALUE;
 }
 
+/* BEGIN TABLE */
+/* Every function by the base name that cuda.bindings asks for (the _v2 ABI where there is one). */
+/* Addresses only: each function's prototype is in the file that defines it. */
+#define F(x) extern char x[];
+F(cuCtxGetApiVersion)
+F(cuCtxGetCurrent)
+F(cuCtxGetDevice)
+F(cuCtxGetDevice_v2)
+F(cuCtxGetFlags)
+F(cuCtxGetId)
+F(cuCtxGetStreamPriorityRange)
+F(cuCtxPopCurrent_v2)
+F(cuCtxPushCurrent_v2)
+F(cuCtxSetCurrent)
+F(cuCtxSynchronize)
+F(cuDeviceGetDefaultMemPool)
+F(cuDeviceGetMemPool)
+F(cuDevicePrimaryCtxGetState)
+F(cuDevicePrimaryCtxRelease_v2)
+F(cuDevicePrimaryCtxRetain)
+F(cuDevicePrimaryCtxSetFlags_v2)
+F(cuDeviceSetMemPool)
+F(cuEventCreate)
+F(cuEventDestroy_v2)
+F(cuEventElapsedTime_v2)
+F(cuEventQuery)
+F(cuEventRecord)
+F(cuEventRecordWithFlags)
+F(cuEventSynchronize)
+F(cuIpcGetEventHandle)
+F(cuIpcOpenEventHandle)
+F(cuMemAddressFree)
+F(cuMemAddressReserve)
+F(cuMemAllocAsync)
+F(cuMemAllocFromPoolAsync)
+F(cuMemAllocHost_v2)
+F(cuMemAlloc_v2)
+F(cuMemCreate)
+F(cuMemExportToShareableHandle)
+F(cuMemFreeAsync)
+F(cuMemFreeHost)
+F(cuMemFree_v2)
+F(cuMemGetAccess)
+F(cuMemGetAddressRange_v2)
+F(cuMemGetAllocationGranularity)
+F(cuMemGetAllocationPropertiesFromHandle)
+F(cuMemGetDefaultMemPool)
+F(cuMemGetInfo_v2)
+F(cuMemGetMemPool)
+F(cuMemHostAlloc)
+F(cuMemImportFromShareableHandle)
+F(cuMemMap)
+F(cuMemPoolCreate)
+F(cuMemPoolDestroy)
+F(cuMemPoolExportPointer)
+F(cuMemPoolExportToShareableHandle)
+F(cuMemPoolGetAccess)
+F(cuMemPoolGetAttribute)
+F(cuMemPoolImportFromShareableHandle)
+F(cuMemPoolImportPointer)
+F(cuMemPoolSetAccess)
+F(cuMemPoolSetAttribute)
+F(cuMemPoolTrimTo)
+F(cuMemRelease)
+F(cuMemRetainAllocationHandle)
+F(cuMemSetAccess)
+F(cuMemUnmap)
+F(cuMemcpy)
+F(cuMemcpyAsync)
+F(cuMemcpyDtoDAsync_v2)
+F(cuMemcpyDtoD_v2)
+F(cuMemcpyDtoHAsync_v2)
+F(cuMemcpyDtoH_v2)
+F(cuMemcpyHtoDAsync_v2)
+F(cuMemcpyHtoD_v2)
+F(cuMemcpyPeer)
+F(cuMemcpyPeerAsync)
+F(cuMemsetD16Async)
+F(cuMemsetD16_v2)
+F(cuMemsetD32Async)
+F(cuMemsetD32_v2)
+F(cuMemsetD8Async)
+F(cuMemsetD8_v2)
+F(cuPointerGetAttribute)
+F(cuPointerGetAttributes)
+F(cuStreamCreate)
+F(cuStreamCreateWithPriority)
+F(cuStreamDestroy_v2)
+F(cuStreamGetCtx)
+F(cuStreamGetDevice)
+F(cuStreamGetFlags)
+F(cuStreamGetId)
+F(cuStreamGetPriority)
+F(cuStreamIsCapturing)
+F(cuStreamQuery)
+F(cuStreamSynchronize)
+F(cuStreamWaitEvent)
+#undef F
 struct sym { const char *name; void *fn; };
 static const struct sym symbols[] = {
     {"cuInit", (void *)cuInit},
@@ -291,18 +420,109 @@ static const struct sym symbols[] = {
     {"cuDeviceGetCount", (void *)cuDeviceGetCount},
     {"cuDeviceGet", (void *)cuDeviceGet},
     {"cuDeviceGetName", (void *)cuDeviceGetName},
-    {"cuDeviceGetUuid", (void *)cuDeviceGetUuid_v2},
     {"cuDeviceGetUuid_v2", (void *)cuDeviceGetUuid_v2},
     {"cuDeviceGetPCIBusId", (void *)cuDeviceGetPCIBusId},
     {"cuDeviceTotalMem", (void *)cuDeviceTotalMem_v2},
-    {"cuDeviceTotalMem_v2", (void *)cuDeviceTotalMem_v2},
     {"cuDeviceGetAttribute", (void *)cuDeviceGetAttribute},
-    {"cuCtxGetDevice", (void *)cuCtxGetDevice},
-    {"cuCtxGetCurrent", (void *)cuCtxGetCurrent},
     {"cuGetErrorName", (void *)cuGetErrorName},
     {"cuGetErrorString", (void *)cuGetErrorString},
+    {"cuCtxGetApiVersion", (void *)cuCtxGetApiVersion},
+    {"cuCtxGetCurrent", (void *)cuCtxGetCurrent},
+    {"cuCtxGetDevice", (void *)cuCtxGetDevice},
+    {"cuCtxGetDevice_v2", (void *)cuCtxGetDevice_v2},
+    {"cuCtxGetFlags", (void *)cuCtxGetFlags},
+    {"cuCtxGetId", (void *)cuCtxGetId},
+    {"cuCtxGetStreamPriorityRange", (void *)cuCtxGetStreamPriorityRange},
+    {"cuCtxPopCurrent", (void *)cuCtxPopCurrent_v2},
+    {"cuCtxPushCurrent", (void *)cuCtxPushCurrent_v2},
+    {"cuCtxSetCurrent", (void *)cuCtxSetCurrent},
+    {"cuCtxSynchronize", (void *)cuCtxSynchronize},
+    {"cuDeviceGetDefaultMemPool", (void *)cuDeviceGetDefaultMemPool},
+    {"cuDeviceGetMemPool", (void *)cuDeviceGetMemPool},
+    {"cuDevicePrimaryCtxGetState", (void *)cuDevicePrimaryCtxGetState},
+    {"cuDevicePrimaryCtxRelease", (void *)cuDevicePrimaryCtxRelease_v2},
+    {"cuDevicePrimaryCtxRetain", (void *)cuDevicePrimaryCtxRetain},
+    {"cuDevicePrimaryCtxSetFlags", (void *)cuDevicePrimaryCtxSetFlags_v2},
+    {"cuDeviceSetMemPool", (void *)cuDeviceSetMemPool},
+    {"cuEventCreate", (void *)cuEventCreate},
+    {"cuEventDestroy", (void *)cuEventDestroy_v2},
+    {"cuEventElapsedTime", (void *)cuEventElapsedTime_v2},
+    {"cuEventQuery", (void *)cuEventQuery},
+    {"cuEventRecord", (void *)cuEventRecord},
+    {"cuEventRecordWithFlags", (void *)cuEventRecordWithFlags},
+    {"cuEventSynchronize", (void *)cuEventSynchronize},
+    {"cuIpcGetEventHandle", (void *)cuIpcGetEventHandle},
+    {"cuIpcOpenEventHandle", (void *)cuIpcOpenEventHandle},
+    {"cuMemAddressFree", (void *)cuMemAddressFree},
+    {"cuMemAddressReserve", (void *)cuMemAddressReserve},
+    {"cuMemAllocAsync", (void *)cuMemAllocAsync},
+    {"cuMemAllocFromPoolAsync", (void *)cuMemAllocFromPoolAsync},
+    {"cuMemAllocHost", (void *)cuMemAllocHost_v2},
+    {"cuMemAlloc", (void *)cuMemAlloc_v2},
+    {"cuMemCreate", (void *)cuMemCreate},
+    {"cuMemExportToShareableHandle", (void *)cuMemExportToShareableHandle},
+    {"cuMemFreeAsync", (void *)cuMemFreeAsync},
+    {"cuMemFreeHost", (void *)cuMemFreeHost},
+    {"cuMemFree", (void *)cuMemFree_v2},
+    {"cuMemGetAccess", (void *)cuMemGetAccess},
+    {"cuMemGetAddressRange", (void *)cuMemGetAddressRange_v2},
+    {"cuMemGetAllocationGranularity", (void *)cuMemGetAllocationGranularity},
+    {"cuMemGetAllocationPropertiesFromHandle", (void *)cuMemGetAllocationPropertiesFromHandle},
+    {"cuMemGetDefaultMemPool", (void *)cuMemGetDefaultMemPool},
+    {"cuMemGetInfo", (void *)cuMemGetInfo_v2},
+    {"cuMemGetMemPool", (void *)cuMemGetMemPool},
+    {"cuMemHostAlloc", (void *)cuMemHostAlloc},
+    {"cuMemImportFromShareableHandle", (void *)cuMemImportFromShareableHandle},
+    {"cuMemMap", (void *)cuMemMap},
+    {"cuMemPoolCreate", (void *)cuMemPoolCreate},
+    {"cuMemPoolDestroy", (void *)cuMemPoolDestroy},
+    {"cuMemPoolExportPointer", (void *)cuMemPoolExportPointer},
+    {"cuMemPoolExportToShareableHandle", (void *)cuMemPoolExportToShareableHandle},
+    {"cuMemPoolGetAccess", (void *)cuMemPoolGetAccess},
+    {"cuMemPoolGetAttribute", (void *)cuMemPoolGetAttribute},
+    {"cuMemPoolImportFromShareableHandle", (void *)cuMemPoolImportFromShareableHandle},
+    {"cuMemPoolImportPointer", (void *)cuMemPoolImportPointer},
+    {"cuMemPoolSetAccess", (void *)cuMemPoolSetAccess},
+    {"cuMemPoolSetAttribute", (void *)cuMemPoolSetAttribute},
+    {"cuMemPoolTrimTo", (void *)cuMemPoolTrimTo},
+    {"cuMemRelease", (void *)cuMemRelease},
+    {"cuMemRetainAllocationHandle", (void *)cuMemRetainAllocationHandle},
+    {"cuMemSetAccess", (void *)cuMemSetAccess},
+    {"cuMemUnmap", (void *)cuMemUnmap},
+    {"cuMemcpy", (void *)cuMemcpy},
+    {"cuMemcpyAsync", (void *)cuMemcpyAsync},
+    {"cuMemcpyDtoDAsync", (void *)cuMemcpyDtoDAsync_v2},
+    {"cuMemcpyDtoD", (void *)cuMemcpyDtoD_v2},
+    {"cuMemcpyDtoHAsync", (void *)cuMemcpyDtoHAsync_v2},
+    {"cuMemcpyDtoH", (void *)cuMemcpyDtoH_v2},
+    {"cuMemcpyHtoDAsync", (void *)cuMemcpyHtoDAsync_v2},
+    {"cuMemcpyHtoD", (void *)cuMemcpyHtoD_v2},
+    {"cuMemcpyPeer", (void *)cuMemcpyPeer},
+    {"cuMemcpyPeerAsync", (void *)cuMemcpyPeerAsync},
+    {"cuMemsetD16Async", (void *)cuMemsetD16Async},
+    {"cuMemsetD16", (void *)cuMemsetD16_v2},
+    {"cuMemsetD32Async", (void *)cuMemsetD32Async},
+    {"cuMemsetD32", (void *)cuMemsetD32_v2},
+    {"cuMemsetD8Async", (void *)cuMemsetD8Async},
+    {"cuMemsetD8", (void *)cuMemsetD8_v2},
+    {"cuPointerGetAttribute", (void *)cuPointerGetAttribute},
+    {"cuPointerGetAttributes", (void *)cuPointerGetAttributes},
+    {"cuStreamCreate", (void *)cuStreamCreate},
+    {"cuStreamCreateWithPriority", (void *)cuStreamCreateWithPriority},
+    {"cuStreamDestroy", (void *)cuStreamDestroy_v2},
+    {"cuStreamGetCtx", (void *)cuStreamGetCtx},
+    {"cuStreamGetDevice", (void *)cuStreamGetDevice},
+    {"cuStreamGetFlags", (void *)cuStreamGetFlags},
+    {"cuStreamGetId", (void *)cuStreamGetId},
+    {"cuStreamGetPriority", (void *)cuStreamGetPriority},
+    {"cuStreamIsCapturing", (void *)cuStreamIsCapturing},
+    {"cuStreamQuery", (void *)cuStreamQuery},
+    {"cuStreamSynchronize", (void *)cuStreamSynchronize},
+    {"cuStreamWaitEvent", (void *)cuStreamWaitEvent},
+    {"cuDeviceGetUuid", (void *)cuDeviceGetUuid_v2},
     {NULL, NULL},
 };
+/* END TABLE */
 
 CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags, int *status) {
     (void)version; (void)flags;
