@@ -45,9 +45,7 @@ def installed(simulated_gpus):
     gpu_serde.uninstall()
 
 
-@pytest.fixture(
-    scope="module", params=["sim", pytest.param("real", marks=pytest.mark.gpu)]
-)
+@pytest.fixture(scope="module", params=["sim", pytest.param("real", marks=pytest.mark.gpu)])
 def tier(request: pytest.FixtureRequest):
     """A memory test runs twice: on simulated GPUs (CPU tier) and on the real GPU (``-m gpu``)."""
     from memtier import make_tier

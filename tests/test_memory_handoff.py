@@ -144,7 +144,9 @@ def ray_session(tier):
     with pytest.MonkeyPatch.context() as mp:
         # the node's one GPU is the tier's (the raylet hands this entry to GPU workers as is)
         mp.setenv("CUDA_VISIBLE_DEVICES", tier.uuid)
-        gpu_serde.ray.init(address="local", num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False)
+        gpu_serde.ray.init(
+            address="local", num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False
+        )
     yield ray
     ray.shutdown()
 
@@ -220,7 +222,9 @@ def test_a_dask_worker_hands_a_buffer_to_another(tier):
     def make():
         d = Device(0)
         d.set_current()
-        mr = DeviceMemoryResource(d, DeviceMemoryResourceOptions(ipc_enabled=True, max_size=2 * size))
+        mr = DeviceMemoryResource(
+            d, DeviceMemoryResourceOptions(ipc_enabled=True, max_size=2 * size)
+        )
         buf = mr.allocate(size, stream=d.default_stream)
         fill(buf)
         return buf
@@ -259,4 +263,3 @@ def test_a_receiver_closing_a_buffer_on_its_stream_releases_it_and_cannot_send_i
     finally:
         inbox.put("done")
         child.join(60)
-
