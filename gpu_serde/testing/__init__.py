@@ -33,6 +33,7 @@ __all__ = [
     "driver_dir",
     "make_gpus",
     "real_driver_present",
+    "violations",
 ]
 
 SPEC_ENV = "GPU_SERDE_SIM_GPUS"
@@ -206,3 +207,20 @@ def activate(
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
     folder = env["LD_LIBRARY_PATH"].split(":")[0]
     ctypes.CDLL(os.path.join(folder, "libcuda.so.1"), mode=os.RTLD_GLOBAL)
+
+
+def violations() -> int:
+    """How many times this process, as an exporter, freed pool memory that a live importer in
+    another process still held (CUDA: importers free first). The stand-in also says so on stderr
+    each time (``GPU_SERDE_SIM_STRICT=1`` aborts the process instead).
+
+    Raises:
+        SimulatedDriverError: the stand-in driver is not loaded in this process.
+    """
+    try:
+        lib = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD)
+        count = lib.gpu_serde_sim_violations
+    except (OSError, AttributeError):
+        raise SimulatedDriverError("the simulated driver is not loaded in this process") from None
+    count.restype = ctypes.c_long
+    return int(count())
