@@ -116,6 +116,7 @@ class Soak:
 
 
 def assert_flat(soak: Soak) -> None:
+    print(f"growth after the warm-up (RSS bytes, descriptors): {soak.growth()}")
     for side, (rss, fds) in soak.growth().items():
         assert rss <= RSS_SLACK, f"{side} RSS grew {rss >> 20} MiB"
         assert fds <= FD_SLACK, f"{side} opened {fds} more descriptors"
@@ -185,8 +186,8 @@ def test_dask_handoffs_leave_nothing_behind(pool, tier):
     import gpu_serde.dask
 
     with (
-        # distributed keeps the last 1000 messages each comm sent (a developer's log), and with
-        # them the buffers they carried: without this the sender's pool stays full (docs/memory.md)
+        # LocalCluster's scheduler runs in the sender's process and its log of recent messages
+        # keeps the last 1000 buffers alive (docs/memory.md): without this the pool stays full
         dask.config.set({"distributed.admin.low-level-log-length": 0}),
         LocalCluster(
             n_workers=1,

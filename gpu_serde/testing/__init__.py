@@ -5,9 +5,19 @@ driver does (unset: all; ``""``: none; ordinals, ``GPU-``/``MIG-`` UUIDs or uniq
 case; the list stops at the first entry that names no GPU). cuda.core sees real ``Device`` objects
 with UUIDs, names, PCI ids and a compute capability of 9.0.
 
-It does **not** simulate contexts, memory, memory pools, IPC, streams, events, kernels, NVML, or the
-CUDA runtime (so ``Device.pci_bus_id``, ``set_current()`` and allocations fail): those need a
-real GPU.
+It keeps memory in host memory that other processes can map, enough for cuda.core 1.2's
+``set_current()``, streams and events (synchronous; IPC events too), ``DeviceMemoryResource`` with
+and without IPC, ``PinnedMemoryResource`` with IPC, ``VirtualMemoryResource`` with ``posix_fd``
+handles, ``cuMemcpy*``, ``cuMemsetD8/16/32*`` and pointer attributes. Each pool is one memfd (each
+VMM allocation too): an exported descriptor maps the same bytes in the importer, and a "device
+pointer" is a host address. It keeps the CUDA rules on imports (no self-import, importers free
+first, a destroyed pool's memory is gone) with the driver's error codes; :func:`violations` counts
+exporters that freed first. ``GPU_SERDE_SIM_TRACE=1`` prints every failing call.
+
+It does **not** simulate kernels (no CuPy or PyTorch work), the CUDA runtime (``Device.pci_bus_id``
+and ``Device.sync()`` fail), NVML, peer access between real devices (every "GPU" is host memory),
+managed memory, graphs, or timings (meaningless). docs/testing.md has the details and an example
+of testing a pipeline that passes buffers.
 Ray does not count simulated GPUs (it asks NVML): give Ray ``num_gpus`` yourself.
 """
 
