@@ -68,7 +68,7 @@ CUresult cuMemsetD32Async(CUdeviceptr d, unsigned v, size_t n, CUstream s) { ret
 CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
     if (!free_bytes || !total) return sim_fail(INVALID_VALUE, __func__);
     *total = (size_t)141 << 30;
-    *free_bytes = *total;
+    *free_bytes = *total - sim_device_bytes;
     return SUCCESS;
 }
 

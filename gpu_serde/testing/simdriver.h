@@ -75,5 +75,6 @@ int sim_range_add(struct sim_range r);
 void sim_range_remove(uintptr_t base);
 struct sim_range *sim_range_at(uintptr_t base);
 void sim_punch(int fd, size_t offset, size_t size);
+extern size_t sim_device_bytes; /* device memory this process allocated and holds (cuMemGetInfo) */
 int sim_memfd(const char *name, size_t size);
 #endif

@@ -30,6 +30,7 @@
 static struct sim_range *ranges;
 static size_t n_ranges, cap_ranges;
 static long violations;
+size_t sim_device_bytes;
 
 struct sim_range *sim_range_find(uintptr_t p, size_t n) {
     for (size_t i = 0; i < n_ranges; i++)
@@ -215,6 +216,7 @@ static CUresult pool_alloc(struct sim_pool *p, size_t size, uintptr_t *out) {
                               p->device >= 0 ? MEMTYPE_DEVICE : MEMTYPE_HOST, p->device, p, NULL, 0};
     if (sim_range_add(range)) return OUT_OF_MEMORY;
     p->used += need;
+    if (p->device >= 0) sim_device_bytes += need;
     if (p->used > p->used_high) p->used_high = p->used;
     uint64_t reserved = (p->used + GRANULARITY - 1) / GRANULARITY * GRANULARITY;
     if (reserved > p->reserved_high) p->reserved_high = reserved;
@@ -274,6 +276,7 @@ static CUresult pool_free(struct sim_range *range) {
     sim_range_remove(base);
     if (imported) return SUCCESS;
     p->used -= size;
+    if (p->device >= 0) sim_device_bytes -= size;
     sim_punch(p->fd, HDR_SIZE + offset, size);
     if (breach) violation("an exporter freed pool memory", base);
     return SUCCESS;

@@ -17,7 +17,7 @@
 
 #include "simdriver.h"
 
-struct sim_phys { uint32_t magic; int fd; size_t size; int loc_type, loc_id, device, handle_types, refs; };
+struct sim_phys { uint32_t magic; int fd; size_t size; int loc_type, loc_id, device, handle_types, refs, imported; };
 #define PHYS_MAGIC 0x53594850u
 #define TRAILER 4096
 struct trailer { char tag[8]; int32_t loc_type, loc_id, handle_types; unsigned char device_uuid[16]; };
@@ -34,6 +34,7 @@ static struct sim_phys *phys_of(CUmemGenericAllocationHandle h) {
 
 static void phys_unref(struct sim_phys *p) {
     if (--p->refs > 0) return;
+    if (p->device >= 0 && !p->imported) sim_device_bytes -= p->size;
     close(p->fd);
     p->magic = 0;
     free(p);
@@ -71,7 +72,10 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *out, size_t size, const CUmem
         free(p); close(fd);
         return sim_fail(OUT_OF_MEMORY, __func__);
     }
-    *p = (struct sim_phys){PHYS_MAGIC, fd, size, t.loc_type, t.loc_id, dev, t.handle_types, 1};
+    *p = (struct sim_phys){PHYS_MAGIC, fd, size, t.loc_type, t.loc_id, dev, t.handle_types, 1, 0};
+    pthread_mutex_lock(&sim_lock);
+    if (dev >= 0) sim_device_bytes += size;
+    pthread_mutex_unlock(&sim_lock);
     *out = (uintptr_t)p;
     return SUCCESS;
 }
@@ -252,7 +256,7 @@ CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *out, void 
     int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
     if (!p || own < 0) { free(p); if (own >= 0) close(own); return sim_fail(OUT_OF_MEMORY, __func__); }
     *p = (struct sim_phys){PHYS_MAGIC, own, (size_t)st.st_size - TRAILER, t.loc_type,
-                           dev >= 0 ? dev : t.loc_id, dev, t.handle_types, 1};
+                           dev >= 0 ? dev : t.loc_id, dev, t.handle_types, 1, 1};
     *out = (uintptr_t)p;
     return SUCCESS;
 }
