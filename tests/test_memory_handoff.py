@@ -16,7 +16,14 @@ import subprocess
 import sys
 
 import pytest
-from cuda.core import Device, DeviceMemoryResource, DeviceMemoryResourceOptions
+from cuda.core import (
+    Device,
+    DeviceMemoryResource,
+    DeviceMemoryResourceOptions,
+    PinnedMemoryResource,
+    PinnedMemoryResourceOptions,
+    VirtualMemoryResource,
+)
 from memtier import check, fill, host_words, ray_by_value, short_release_grace, wait_until
 
 import gpu_serde
@@ -24,6 +31,11 @@ import gpu_serde
 
 def check_in_queue(inbox, outbox) -> None:
     outbox.put(check(inbox.get(timeout=120)))
+
+
+def describe_pool_in_queue(inbox, outbox) -> None:
+    mr = gpu_serde.resolve(inbox.get(timeout=120))
+    outbox.put({"type": type(mr).__name__, "device": mr.device_id, "mapped": mr.is_mapped})
 
 
 def close_on_own_stream(inbox, outbox) -> None:
@@ -112,6 +124,18 @@ def test_a_buffer_reaches_a_child_with_other_cuda_visible_devices_and_is_let_go(
     assert used_returns_to(pool, baseline)  # every importer released: memory returns
 
 
+def test_a_pool_reaches_a_child_mapped_on_its_ordinal_of_the_gpu(pool, tier, monkeypatch):
+    ctx = multiprocessing.get_context("spawn")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", tier.uuid)
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=describe_pool_in_queue, args=(inbox, outbox))
+    child.start()
+    inbox.put(pool)
+    got = outbox.get(timeout=120)
+    child.join(60)
+    assert got == {"type": "DeviceMemoryResource", "device": 0, "mapped": True}
+
+
 def test_a_killed_exporter_gives_the_typed_error(tier):
     code = (
         "import pickle, sys, gpu_serde\n"
@@ -198,6 +222,21 @@ def test_the_driver_hands_a_buffer_to_a_ray_actor_and_gets_it_back(ray_session, 
     ray.kill(consumer)
     assert got["ok"] and got["size"] == tier.size
     assert used_returns_to(pool, baseline)
+
+
+def test_pinned_and_vmm_buffers_reach_a_ray_task(ray_session, tier):
+    ray = ray_session
+    d = Device(tier.ordinal)
+    d.set_current()
+    pinned = PinnedMemoryResource(PinnedMemoryResourceOptions(ipc_enabled=True, max_size=tier.size))
+    pbuf = pinned.allocate(tier.size // 4, stream=d.default_stream)
+    vbuf = VirtualMemoryResource(d).allocate(tier.size)
+    fill(pbuf)
+    fill(vbuf)
+    consume = ray.remote(num_gpus=0.5)(check)
+    got_p, got_v = ray.get([consume.remote(pbuf), consume.remote(vbuf)], timeout=300)
+    assert got_p["ok"] and got_p["host"] and got_p["size"] == tier.size // 4
+    assert got_v["ok"] and not got_v["host"] and got_v["size"] == tier.size
 
 
 def test_a_dask_worker_hands_a_buffer_to_another(tier):
