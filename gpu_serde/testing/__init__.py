@@ -49,8 +49,10 @@ __all__ = [
 SPEC_ENV = "GPU_SERDE_SIM_GPUS"
 _HERE = Path(__file__).parent
 #: The stand-in's C sources (simdriver.c first), compiled together into one library.
-_SOURCES = [_HERE / f"{name}.c" for name in ("simdriver", "simctx", "simmem", "simcopy", "simvmm")]
-_HEADER = _HERE / "simdriver.h"
+_SOURCES = [
+    _HERE / f"{name}.c" for name in ("simdriver", "simctx", "simmem", "simipc", "simcopy", "simvmm")
+]
+_HEADERS = [_HERE / f"{name}.h" for name in ("simdriver", "simpool", "simsyms")]
 
 
 class SimulatedDriverError(RuntimeError):
@@ -99,7 +101,8 @@ def driver_dir() -> Path:
     Raises:
         SimulatedDriverError: no C compiler, or the build failed.
     """
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in [_HEADER, *_SOURCES])).hexdigest()[:16]
+    source = b"".join(p.read_bytes() for p in [*_HEADERS, *_SOURCES])
+    digest = hashlib.sha256(source).hexdigest()[:16]
     folder = _cache_root() / f"simdriver-{digest}"
     lib = folder / "libcuda.so.1"
     if lib.exists():

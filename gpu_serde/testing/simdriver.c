@@ -6,8 +6,9 @@
  * the way the real driver does: unset selects every GPU; an empty string selects none; entries are
  * ordinals or GPU-/MIG- UUIDs (full or a unique prefix, any case); the list stops at the first invalid
  * entry. This file holds device enumeration and identity, errors and cuGetProcAddress; contexts,
- * streams and events are in simctx.c, memory pools and their IPC in simmem.c, copies in simcopy.c and
- * virtual memory management in simvmm.c. There are no kernels, no modules and no runtime export table.
+ * streams and events are in simctx.c, memory pools in simmem.c and their IPC in simipc.c, copies in
+ * simcopy.c and virtual memory management in simvmm.c. There are no kernels, no modules and no
+ * runtime export table.
  */
 #define _GNU_SOURCE
 #include <ctype.h>
@@ -315,214 +316,21 @@ CUresult cuGetErrorString(CUresult e, const char **s) {
     return *s ? SUCCESS : INVALID_VALUE;
 }
 
-/* BEGIN TABLE */
-/* Every function by the base name that cuda.bindings asks for (the _v2 ABI where there is one). */
-/* Addresses only: each function's prototype is in the file that defines it. */
-#define F(x) extern char x[];
-F(cuCtxGetApiVersion)
-F(cuCtxGetCurrent)
-F(cuCtxGetDevice)
-F(cuCtxGetDevice_v2)
-F(cuCtxGetFlags)
-F(cuCtxGetId)
-F(cuCtxGetStreamPriorityRange)
-F(cuCtxPopCurrent_v2)
-F(cuCtxPushCurrent_v2)
-F(cuCtxSetCurrent)
-F(cuCtxSynchronize)
-F(cuDeviceGetDefaultMemPool)
-F(cuDeviceGetMemPool)
-F(cuDevicePrimaryCtxGetState)
-F(cuDevicePrimaryCtxRelease_v2)
-F(cuDevicePrimaryCtxRetain)
-F(cuDevicePrimaryCtxSetFlags_v2)
-F(cuDeviceSetMemPool)
-F(cuEventCreate)
-F(cuEventDestroy_v2)
-F(cuEventElapsedTime_v2)
-F(cuEventQuery)
-F(cuEventRecord)
-F(cuEventRecordWithFlags)
-F(cuEventSynchronize)
-F(cuIpcGetEventHandle)
-F(cuIpcOpenEventHandle)
-F(cuMemAddressFree)
-F(cuMemAddressReserve)
-F(cuMemAllocAsync)
-F(cuMemAllocFromPoolAsync)
-F(cuMemAllocHost_v2)
-F(cuMemAlloc_v2)
-F(cuMemCreate)
-F(cuMemExportToShareableHandle)
-F(cuMemFreeAsync)
-F(cuMemFreeHost)
-F(cuMemFree_v2)
-F(cuMemGetAccess)
-F(cuMemGetAddressRange_v2)
-F(cuMemGetAllocationGranularity)
-F(cuMemGetAllocationPropertiesFromHandle)
-F(cuMemGetDefaultMemPool)
-F(cuMemGetInfo_v2)
-F(cuMemGetMemPool)
-F(cuMemHostAlloc)
-F(cuMemImportFromShareableHandle)
-F(cuMemMap)
-F(cuMemPoolCreate)
-F(cuMemPoolDestroy)
-F(cuMemPoolExportPointer)
-F(cuMemPoolExportToShareableHandle)
-F(cuMemPoolGetAccess)
-F(cuMemPoolGetAttribute)
-F(cuMemPoolImportFromShareableHandle)
-F(cuMemPoolImportPointer)
-F(cuMemPoolSetAccess)
-F(cuMemPoolSetAttribute)
-F(cuMemPoolTrimTo)
-F(cuMemRelease)
-F(cuMemRetainAllocationHandle)
-F(cuMemSetAccess)
-F(cuMemUnmap)
-F(cuMemcpy)
-F(cuMemcpyAsync)
-F(cuMemcpyDtoDAsync_v2)
-F(cuMemcpyDtoD_v2)
-F(cuMemcpyDtoHAsync_v2)
-F(cuMemcpyDtoH_v2)
-F(cuMemcpyHtoDAsync_v2)
-F(cuMemcpyHtoD_v2)
-F(cuMemcpyPeer)
-F(cuMemcpyPeerAsync)
-F(cuMemsetD16Async)
-F(cuMemsetD16_v2)
-F(cuMemsetD32Async)
-F(cuMemsetD32_v2)
-F(cuMemsetD8Async)
-F(cuMemsetD8_v2)
-F(cuPointerGetAttribute)
-F(cuPointerGetAttributes)
-F(cuStreamCreate)
-F(cuStreamCreateWithPriority)
-F(cuStreamDestroy_v2)
-F(cuStreamGetCtx)
-F(cuStreamGetDevice)
-F(cuStreamGetFlags)
-F(cuStreamGetId)
-F(cuStreamGetPriority)
-F(cuStreamIsCapturing)
-F(cuStreamQuery)
-F(cuStreamSynchronize)
-F(cuStreamWaitEvent)
-#undef F
+/* Addresses only: each function's prototype is in the file that defines it (simdriver.c's above). */
+#define SYM(name, fn) extern char fn[];
+#define OWN(name, fn)
+#include "simsyms.h"
+#undef SYM
+#undef OWN
 struct sym { const char *name; void *fn; };
 static const struct sym symbols[] = {
-    {"cuInit", (void *)cuInit},
-    {"cuDriverGetVersion", (void *)cuDriverGetVersion},
-    {"cuDeviceGetCount", (void *)cuDeviceGetCount},
-    {"cuDeviceGet", (void *)cuDeviceGet},
-    {"cuDeviceGetName", (void *)cuDeviceGetName},
-    {"cuDeviceGetUuid_v2", (void *)cuDeviceGetUuid_v2},
-    {"cuDeviceGetPCIBusId", (void *)cuDeviceGetPCIBusId},
-    {"cuDeviceTotalMem", (void *)cuDeviceTotalMem_v2},
-    {"cuDeviceGetAttribute", (void *)cuDeviceGetAttribute},
-    {"cuGetErrorName", (void *)cuGetErrorName},
-    {"cuGetErrorString", (void *)cuGetErrorString},
-    {"cuCtxGetApiVersion", (void *)cuCtxGetApiVersion},
-    {"cuCtxGetCurrent", (void *)cuCtxGetCurrent},
-    {"cuCtxGetDevice", (void *)cuCtxGetDevice},
-    {"cuCtxGetDevice_v2", (void *)cuCtxGetDevice_v2},
-    {"cuCtxGetFlags", (void *)cuCtxGetFlags},
-    {"cuCtxGetId", (void *)cuCtxGetId},
-    {"cuCtxGetStreamPriorityRange", (void *)cuCtxGetStreamPriorityRange},
-    {"cuCtxPopCurrent", (void *)cuCtxPopCurrent_v2},
-    {"cuCtxPushCurrent", (void *)cuCtxPushCurrent_v2},
-    {"cuCtxSetCurrent", (void *)cuCtxSetCurrent},
-    {"cuCtxSynchronize", (void *)cuCtxSynchronize},
-    {"cuDeviceGetDefaultMemPool", (void *)cuDeviceGetDefaultMemPool},
-    {"cuDeviceGetMemPool", (void *)cuDeviceGetMemPool},
-    {"cuDevicePrimaryCtxGetState", (void *)cuDevicePrimaryCtxGetState},
-    {"cuDevicePrimaryCtxRelease", (void *)cuDevicePrimaryCtxRelease_v2},
-    {"cuDevicePrimaryCtxRetain", (void *)cuDevicePrimaryCtxRetain},
-    {"cuDevicePrimaryCtxSetFlags", (void *)cuDevicePrimaryCtxSetFlags_v2},
-    {"cuDeviceSetMemPool", (void *)cuDeviceSetMemPool},
-    {"cuEventCreate", (void *)cuEventCreate},
-    {"cuEventDestroy", (void *)cuEventDestroy_v2},
-    {"cuEventElapsedTime", (void *)cuEventElapsedTime_v2},
-    {"cuEventQuery", (void *)cuEventQuery},
-    {"cuEventRecord", (void *)cuEventRecord},
-    {"cuEventRecordWithFlags", (void *)cuEventRecordWithFlags},
-    {"cuEventSynchronize", (void *)cuEventSynchronize},
-    {"cuIpcGetEventHandle", (void *)cuIpcGetEventHandle},
-    {"cuIpcOpenEventHandle", (void *)cuIpcOpenEventHandle},
-    {"cuMemAddressFree", (void *)cuMemAddressFree},
-    {"cuMemAddressReserve", (void *)cuMemAddressReserve},
-    {"cuMemAllocAsync", (void *)cuMemAllocAsync},
-    {"cuMemAllocFromPoolAsync", (void *)cuMemAllocFromPoolAsync},
-    {"cuMemAllocHost", (void *)cuMemAllocHost_v2},
-    {"cuMemAlloc", (void *)cuMemAlloc_v2},
-    {"cuMemCreate", (void *)cuMemCreate},
-    {"cuMemExportToShareableHandle", (void *)cuMemExportToShareableHandle},
-    {"cuMemFreeAsync", (void *)cuMemFreeAsync},
-    {"cuMemFreeHost", (void *)cuMemFreeHost},
-    {"cuMemFree", (void *)cuMemFree_v2},
-    {"cuMemGetAccess", (void *)cuMemGetAccess},
-    {"cuMemGetAddressRange", (void *)cuMemGetAddressRange_v2},
-    {"cuMemGetAllocationGranularity", (void *)cuMemGetAllocationGranularity},
-    {"cuMemGetAllocationPropertiesFromHandle", (void *)cuMemGetAllocationPropertiesFromHandle},
-    {"cuMemGetDefaultMemPool", (void *)cuMemGetDefaultMemPool},
-    {"cuMemGetInfo", (void *)cuMemGetInfo_v2},
-    {"cuMemGetMemPool", (void *)cuMemGetMemPool},
-    {"cuMemHostAlloc", (void *)cuMemHostAlloc},
-    {"cuMemImportFromShareableHandle", (void *)cuMemImportFromShareableHandle},
-    {"cuMemMap", (void *)cuMemMap},
-    {"cuMemPoolCreate", (void *)cuMemPoolCreate},
-    {"cuMemPoolDestroy", (void *)cuMemPoolDestroy},
-    {"cuMemPoolExportPointer", (void *)cuMemPoolExportPointer},
-    {"cuMemPoolExportToShareableHandle", (void *)cuMemPoolExportToShareableHandle},
-    {"cuMemPoolGetAccess", (void *)cuMemPoolGetAccess},
-    {"cuMemPoolGetAttribute", (void *)cuMemPoolGetAttribute},
-    {"cuMemPoolImportFromShareableHandle", (void *)cuMemPoolImportFromShareableHandle},
-    {"cuMemPoolImportPointer", (void *)cuMemPoolImportPointer},
-    {"cuMemPoolSetAccess", (void *)cuMemPoolSetAccess},
-    {"cuMemPoolSetAttribute", (void *)cuMemPoolSetAttribute},
-    {"cuMemPoolTrimTo", (void *)cuMemPoolTrimTo},
-    {"cuMemRelease", (void *)cuMemRelease},
-    {"cuMemRetainAllocationHandle", (void *)cuMemRetainAllocationHandle},
-    {"cuMemSetAccess", (void *)cuMemSetAccess},
-    {"cuMemUnmap", (void *)cuMemUnmap},
-    {"cuMemcpy", (void *)cuMemcpy},
-    {"cuMemcpyAsync", (void *)cuMemcpyAsync},
-    {"cuMemcpyDtoDAsync", (void *)cuMemcpyDtoDAsync_v2},
-    {"cuMemcpyDtoD", (void *)cuMemcpyDtoD_v2},
-    {"cuMemcpyDtoHAsync", (void *)cuMemcpyDtoHAsync_v2},
-    {"cuMemcpyDtoH", (void *)cuMemcpyDtoH_v2},
-    {"cuMemcpyHtoDAsync", (void *)cuMemcpyHtoDAsync_v2},
-    {"cuMemcpyHtoD", (void *)cuMemcpyHtoD_v2},
-    {"cuMemcpyPeer", (void *)cuMemcpyPeer},
-    {"cuMemcpyPeerAsync", (void *)cuMemcpyPeerAsync},
-    {"cuMemsetD16Async", (void *)cuMemsetD16Async},
-    {"cuMemsetD16", (void *)cuMemsetD16_v2},
-    {"cuMemsetD32Async", (void *)cuMemsetD32Async},
-    {"cuMemsetD32", (void *)cuMemsetD32_v2},
-    {"cuMemsetD8Async", (void *)cuMemsetD8Async},
-    {"cuMemsetD8", (void *)cuMemsetD8_v2},
-    {"cuPointerGetAttribute", (void *)cuPointerGetAttribute},
-    {"cuPointerGetAttributes", (void *)cuPointerGetAttributes},
-    {"cuStreamCreate", (void *)cuStreamCreate},
-    {"cuStreamCreateWithPriority", (void *)cuStreamCreateWithPriority},
-    {"cuStreamDestroy", (void *)cuStreamDestroy_v2},
-    {"cuStreamGetCtx", (void *)cuStreamGetCtx},
-    {"cuStreamGetDevice", (void *)cuStreamGetDevice},
-    {"cuStreamGetFlags", (void *)cuStreamGetFlags},
-    {"cuStreamGetId", (void *)cuStreamGetId},
-    {"cuStreamGetPriority", (void *)cuStreamGetPriority},
-    {"cuStreamIsCapturing", (void *)cuStreamIsCapturing},
-    {"cuStreamQuery", (void *)cuStreamQuery},
-    {"cuStreamSynchronize", (void *)cuStreamSynchronize},
-    {"cuStreamWaitEvent", (void *)cuStreamWaitEvent},
-    {"cuDeviceGetUuid", (void *)cuDeviceGetUuid_v2},
+#define SYM(name, fn) {#name, (void *)fn},
+#define OWN(name, fn) {#name, (void *)fn},
+#include "simsyms.h"
+#undef SYM
+#undef OWN
     {NULL, NULL},
 };
-/* END TABLE */
 
 CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags, int *status) {
     (void)version; (void)flags;

@@ -1,5 +1,5 @@
 /*
- * gpu_serde stand-in CUDA driver: memory pools, pool IPC, copies, memsets and pointer attributes.
+ * gpu_serde stand-in CUDA driver: memory pools and plain allocations (pool IPC is in simipc.c).
  *
  * A "device pointer" is a host address. Each pool is one memfd: a 1 MiB header (shared state: the
  * pool's identity, its live allocations and who imported each) followed by the pool's bytes, mapped
@@ -9,7 +9,8 @@
  * blocks are punched out of the memfd, so their memory goes back to the system at once.
  *
  * Rules kept: a pointer exported from a pool imports only into that pool's import in another process
- * (no self-import); an import of a freed allocation, or from a destroyed pool, fails with
+ * (no self-import); a destroyed pool lives on until its last allocation is freed, then its memory
+ * is gone; an import of a freed allocation, or from a destroyed pool, fails with
  * CUDA_ERROR_INVALID_VALUE; an exporter that frees memory that a live importer still holds breaks the
  * CUDA rule (importers free first): the driver counts it, says so on stderr, and the importer's
  * bytes read as zeros (GPU_SERDE_SIM_STRICT=1 aborts instead).
@@ -24,7 +25,9 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "simdriver.h"
+#include "simpool.h"
+
+const char sim_pool_tag[8] = "GSSIMPOL";
 
 /* ---- the ranges this process can address ---- */
 static struct sim_range *ranges;
@@ -80,38 +83,9 @@ static void violation(const char *what, uintptr_t p) {
 }
 
 /* ---- pools ---- */
-#define HDR_SIZE ((size_t)1 << 20)
-#define MAX_IMPORTERS 4
-#define POOL_MAGIC 0x4c4f4f50u
-#define DEFAULT_POOL_SIZE ((size_t)64 << 30)
-struct rec { uint64_t offset, size, serial; int32_t pid[MAX_IMPORTERS], count[MAX_IMPORTERS]; };
-struct hdr {
-    char tag[8]; uint32_t version; int32_t exporter; unsigned char id[16], device_uuid[16];
-    uint64_t max_size; int32_t loc_type, loc_id, handle_types, destroyed;
-    pthread_mutex_t lock; uint64_t next_serial; uint32_t n_rec; uint32_t pad;
-    struct rec rec[];
-};
-#define MAX_REC ((HDR_SIZE - sizeof(struct hdr)) / sizeof(struct rec))
-static const char pool_tag[8] = "GSSIMPOL";
-
-struct sim_pool {
-    uint32_t magic; int device, imported, fd; struct hdr *hdr; char *base; size_t max_size;
-    uint64_t used, used_high, reserved_high, threshold; int reuse[3]; int access;
-};
 static struct sim_pool *default_pool[MAX_GPUS], *current_pool[MAX_GPUS];
 
-static int pool_ok(CUmemoryPool p) { return p && p->magic == POOL_MAGIC; }
-
-static void hdr_lock(struct hdr *h) {
-    if (pthread_mutex_lock(&h->lock) == EOWNERDEAD) pthread_mutex_consistent(&h->lock);
-}
-
-static struct rec *rec_find(struct hdr *h, uint64_t offset) {
-    for (uint32_t i = 0; i < h->n_rec; i++) if (h->rec[i].offset == offset) return &h->rec[i];
-    return NULL;
-}
-
-static int live_importers(struct rec *r) {
+int sim_live_importers(struct rec *r) {
     int n = 0;
     for (int i = 0; i < MAX_IMPORTERS; i++)
         if (r->count[i] > 0 && (kill(r->pid[i], 0) == 0 || errno == EPERM)) n++;
@@ -126,7 +100,7 @@ static CUresult pool_make(struct sim_pool **out, int device, const CUmemPoolProp
     char *map = mmap(NULL, HDR_SIZE + max, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd, 0);
     if (map == MAP_FAILED) { close(fd); return OUT_OF_MEMORY; }
     struct hdr *h = (struct hdr *)map;
-    memcpy(h->tag, pool_tag, 8);
+    memcpy(h->tag, sim_pool_tag, 8);
     h->version = 1; h->exporter = getpid(); h->max_size = max;
     h->loc_type = props->location.type; h->loc_id = props->location.id;
     h->handle_types = props->handleTypes;
@@ -141,7 +115,7 @@ static CUresult pool_make(struct sim_pool **out, int device, const CUmemPoolProp
     pthread_mutex_init(&h->lock, &a);
     struct sim_pool *p = calloc(1, sizeof *p);
     if (!p) { munmap(map, HDR_SIZE + max); close(fd); return OUT_OF_MEMORY; }
-    *p = (struct sim_pool){POOL_MAGIC, device, 0, fd, h, map + HDR_SIZE, max, 0, 0, 0, 0, {1, 1, 1}, 3};
+    *p = (struct sim_pool){POOL_MAGIC, device, 0, fd, h, map + HDR_SIZE, max, 0, 0, 0, 0, {1, 1, 1}, 3, 0};
     *out = p;
     return SUCCESS;
 }
@@ -226,7 +200,7 @@ static CUresult pool_alloc(struct sim_pool *p, size_t size, uintptr_t *out) {
 
 CUresult cuMemAllocFromPoolAsync(CUdeviceptr *out, size_t size, CUmemoryPool pool, CUstream s) {
     if (!out) return sim_fail(INVALID_VALUE, __func__);
-    if (!pool_ok(pool) || pool->imported) return sim_fail(INVALID_VALUE, __func__);
+    if (!pool_ok(pool) || pool->imported || pool->closing) return sim_fail(INVALID_VALUE, __func__);
     CUresult r = sim_stream_check(s, NULL);
     if (r) return sim_fail(r, __func__);
     uintptr_t p;
@@ -255,6 +229,23 @@ CUresult cuMemAlloc_v2(CUdeviceptr *out, size_t size) {
     return r ? r : cuMemAllocFromPoolAsync(out, size, pool, NULL);
 }
 
+static size_t pool_ranges(struct sim_pool *p) {
+    size_t n = 0;
+    for (size_t i = 0; i < n_ranges; i++) n += ranges[i].pool == p;
+    return n;
+}
+
+/* Release a destroyed pool for good: its memory is gone, for its importers too. sim_lock held. */
+static void pool_finalize(struct sim_pool *pool) {
+    if (!pool->imported) {
+        sim_punch(pool->fd, HDR_SIZE, pool->max_size);
+        close(pool->fd);
+    }
+    munmap(pool->hdr, HDR_SIZE + pool->max_size);
+    pool->magic = 0;
+    free(pool);
+}
+
 /* Free a pool allocation (exporter) or drop an import (importer); sim_lock held. */
 static CUresult pool_free(struct sim_range *range) {
     struct sim_pool *p = range->pool;
@@ -267,18 +258,22 @@ static CUresult pool_free(struct sim_range *range) {
         for (int i = 0; r && i < MAX_IMPORTERS; i++)
             if (r->pid[i] == getpid() && r->count[i] > 0) { r->count[i]--; break; }
     } else if (r) {
-        breach = live_importers(r) > 0;
+        breach = sim_live_importers(r) > 0;
         *r = h->rec[--h->n_rec];
     }
     pthread_mutex_unlock(&h->lock);
     uintptr_t base = range->base;
     int imported = range->imported;
     sim_range_remove(base);
-    if (imported) return SUCCESS;
+    if (imported) {
+        if (p->closing && !pool_ranges(p)) pool_finalize(p);
+        return SUCCESS;
+    }
     p->used -= size;
     if (p->device >= 0) sim_device_bytes -= size;
     sim_punch(p->fd, HDR_SIZE + offset, size);
     if (breach) violation("an exporter freed pool memory", base);
+    if (p->closing && !pool_ranges(p)) pool_finalize(p);
     return SUCCESS;
 }
 
@@ -295,24 +290,20 @@ CUresult cuMemFreeAsync(CUdeviceptr ptr, CUstream s) {
 
 CUresult cuMemFree_v2(CUdeviceptr ptr) { return cuMemFreeAsync(ptr, NULL); }
 
+/* As in CUDA: with allocations outstanding the pool goes when the last one is freed; no new
+ * allocations or imports meanwhile. Then its memory is gone, for its importers too. */
 CUresult cuMemPoolDestroy(CUmemoryPool pool) {
-    if (!pool_ok(pool)) return sim_fail(INVALID_VALUE, __func__);
+    if (!pool_ok(pool) || pool->closing) return sim_fail(INVALID_VALUE, __func__);
     pthread_mutex_lock(&sim_lock);
     for (int d = 0; d < MAX_GPUS; d++)
         if (default_pool[d] == pool) { pthread_mutex_unlock(&sim_lock); return sim_fail(INVALID_VALUE, __func__); }
-    for (size_t i = 0; i < n_ranges;) {
-        if (ranges[i].pool == pool) pool_free(&ranges[i]); else i++;
-    }
     if (!pool->imported) {
         hdr_lock(pool->hdr);
         pool->hdr->destroyed = 1;
         pthread_mutex_unlock(&pool->hdr->lock);
-        sim_punch(pool->fd, HDR_SIZE, pool->max_size);  /* the memory of a closed pool is gone */
-        close(pool->fd);
     }
-    munmap(pool->hdr, HDR_SIZE + pool->max_size);
-    pool->magic = 0;
-    free(pool);
+    pool->closing = 1;
+    if (!pool_ranges(pool)) pool_finalize(pool);
     pthread_mutex_unlock(&sim_lock);
     return SUCCESS;
 }
@@ -365,93 +356,6 @@ CUresult cuMemPoolSetAccess(CUmemoryPool pool, const CUmemAccessDesc *map, size_
 CUresult cuMemPoolGetAccess(int *flags, CUmemoryPool pool, const CUmemLocation *loc) {
     if (!flags || !loc || !pool_ok(pool)) return sim_fail(INVALID_VALUE, __func__);
     *flags = (loc->type == LOC_DEVICE && loc->id == pool->device) ? pool->access : 0;
-    return SUCCESS;
-}
-
-CUresult cuMemPoolExportToShareableHandle(void *out, CUmemoryPool pool, int type, unsigned long long flags) {
-    if (!out || !pool_ok(pool) || flags) return sim_fail(INVALID_VALUE, __func__);
-    if (pool->imported || type != HANDLE_POSIX_FD || !(pool->hdr->handle_types & HANDLE_POSIX_FD))
-        return sim_fail(INVALID_VALUE, __func__);
-    int fd = fcntl(pool->fd, F_DUPFD_CLOEXEC, 0);
-    if (fd < 0) return sim_fail(OUT_OF_MEMORY, __func__);
-    *(int *)out = fd;
-    return SUCCESS;
-}
-
-CUresult cuMemPoolImportFromShareableHandle(CUmemoryPool *out, void *handle, int type, unsigned long long flags) {
-    if (!out || type != HANDLE_POSIX_FD || flags) return sim_fail(INVALID_VALUE, __func__);
-    int fd = (int)(intptr_t)handle;
-    struct hdr probe;
-    if (pread(fd, &probe, sizeof probe, 0) != (ssize_t)sizeof probe || memcmp(probe.tag, pool_tag, 8))
-        return sim_fail(INVALID_VALUE, __func__);
-    if (probe.exporter == getpid()) return sim_fail(INVALID_VALUE, __func__);  /* no self-import */
-    if (probe.destroyed) return sim_fail(INVALID_VALUE, __func__);
-    int dev = -1;
-    if (probe.loc_type == LOC_DEVICE && (dev = sim_device_by_uuid(probe.device_uuid)) < 0)
-        return sim_fail(INVALID_DEVICE, __func__);
-    size_t total = HDR_SIZE + probe.max_size;
-    char *map = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd, 0);
-    if (map == MAP_FAILED) return sim_fail(OUT_OF_MEMORY, __func__);
-    struct sim_pool *p = calloc(1, sizeof *p);
-    if (!p) { munmap(map, total); return sim_fail(OUT_OF_MEMORY, __func__); }
-    *p = (struct sim_pool){POOL_MAGIC, dev, 1, -1, (struct hdr *)map, map + HDR_SIZE, probe.max_size,
-                           0, 0, 0, 0, {1, 1, 1}, 3};
-    *out = p;
-    return SUCCESS;
-}
-
-struct export_data { char tag[8]; unsigned char id[16]; uint64_t offset, size, serial; int32_t exporter; };
-
-CUresult cuMemPoolExportPointer(CUmemPoolPtrExportData *out, CUdeviceptr ptr) {
-    if (!out) return sim_fail(INVALID_VALUE, __func__);
-    pthread_mutex_lock(&sim_lock);
-    struct sim_range *range = sim_range_at((uintptr_t)ptr);
-    if (!range || range->kind != RANGE_POOL || range->imported) {
-        pthread_mutex_unlock(&sim_lock);
-        return sim_fail(INVALID_VALUE, __func__);
-    }
-    struct sim_pool *p = range->pool;
-    struct export_data d = {"GSSIMPTR", {0}, ptr - (uintptr_t)p->base, range->size, 0, getpid()};
-    memcpy(d.id, p->hdr->id, 16);
-    hdr_lock(p->hdr);
-    struct rec *r = rec_find(p->hdr, d.offset);
-    d.serial = r ? r->serial : 0;
-    pthread_mutex_unlock(&p->hdr->lock);
-    pthread_mutex_unlock(&sim_lock);
-    memset(out, 0, sizeof *out);
-    memcpy(out->reserved, &d, sizeof d);
-    return SUCCESS;
-}
-
-CUresult cuMemPoolImportPointer(CUdeviceptr *out, CUmemoryPool pool, CUmemPoolPtrExportData *data) {
-    if (!out || !data || !pool_ok(pool) || !pool->imported) return sim_fail(INVALID_VALUE, __func__);
-    struct export_data d;
-    memcpy(&d, data->reserved, sizeof d);
-    if (memcmp(d.tag, "GSSIMPTR", 8) || memcmp(d.id, pool->hdr->id, 16)) return sim_fail(INVALID_VALUE, __func__);
-    pthread_mutex_lock(&sim_lock);
-    struct hdr *h = pool->hdr;
-    hdr_lock(h);
-    struct rec *r = h->destroyed ? NULL : rec_find(h, d.offset);
-    int slot = -1;
-    if (r && r->serial == d.serial && r->size == d.size) {
-        for (int i = 0; i < MAX_IMPORTERS && slot < 0; i++) if (r->pid[i] == getpid()) slot = i;
-        for (int i = 0; i < MAX_IMPORTERS && slot < 0; i++)
-            if (r->count[i] <= 0 || (kill(r->pid[i], 0) != 0 && errno == ESRCH)) { slot = i; r->count[i] = 0; }
-        if (slot >= 0) { r->pid[slot] = getpid(); r->count[slot]++; }
-    }
-    pthread_mutex_unlock(&h->lock);
-    uintptr_t at = (uintptr_t)(pool->base + d.offset);
-    CUresult res = !r || r->serial != d.serial ? INVALID_VALUE : slot < 0 ? OUT_OF_MEMORY
-                 : sim_range_at(at) ? ALREADY_MAPPED : SUCCESS;
-    if (res == SUCCESS) {
-        struct sim_range range = {at, d.size, RANGE_POOL, pool->device >= 0 ? MEMTYPE_DEVICE : MEMTYPE_HOST,
-                                  pool->device, pool, NULL, 1};
-        if (sim_range_add(range)) res = OUT_OF_MEMORY;
-    }
-    if (res != SUCCESS && slot >= 0) { hdr_lock(h); r->count[slot]--; pthread_mutex_unlock(&h->lock); }
-    pthread_mutex_unlock(&sim_lock);
-    if (res) return sim_fail(res, __func__);
-    *out = at;
     return SUCCESS;
 }
 
