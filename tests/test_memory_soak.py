@@ -97,7 +97,8 @@ class Soak:
             number, self.receiver = send(self.buffer(i))
             assert number == i
         per_1000 = (time.monotonic() - started) / max(self.count - warmup, 1) * 1000
-        assert wait_until(lambda: held() == holds, 30)  # every hold let go
+        # every hold this soak made is let go (holds left by earlier tests may go meanwhile)
+        assert wait_until(lambda: held() <= holds, 30)
         gc.collect()
         assert wait_until(lambda: self.pool.attributes.used_mem_current == 0, 30), (
             self.pool.attributes.used_mem_current
