@@ -124,6 +124,16 @@ CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr p) {
     return res ? sim_fail(res, __func__) : SUCCESS;
 }
 
+/* The attributes whose value is a pointer, a size or a 64-bit id (the others are ints). */
+static int pointer_sized(int attr) {
+    switch (attr) {
+    case 1: case 3: case 4: case 7: case 11: case 12: case 14: case 16: case 17: case 18: case 19: case 20:
+        return 1;
+    default:
+        return 0;
+    }
+}
+
 /* Like the real call: attributes of memory the driver does not know read as zeros, with success. */
 CUresult cuPointerGetAttributes(unsigned n, int *attrs, void **data, CUdeviceptr p) {
     if (!attrs || !data) return sim_fail(INVALID_VALUE, __func__);
@@ -133,12 +143,8 @@ CUresult cuPointerGetAttributes(unsigned n, int *attrs, void **data, CUdeviceptr
     pthread_mutex_unlock(&sim_lock);
     for (unsigned i = 0; i < n; i++) {
         if (!data[i]) continue;
-        if (attribute(data[i], attrs[i], p, r ? &copy_of : NULL) != SUCCESS) {
-            if (attrs[i] == 2 || attrs[i] == 9 || attrs[i] == 1 || attrs[i] == 3 || attrs[i] == 4)
-                memset(data[i], 0, attrs[i] == 1 || attrs[i] >= 3 ? sizeof(void *) : sizeof(int));
-            else
-                memset(data[i], 0, sizeof(int));
-        }
+        if (attribute(data[i], attrs[i], p, r ? &copy_of : NULL) != SUCCESS)
+            memset(data[i], 0, pointer_sized(attrs[i]) ? sizeof(uint64_t) : sizeof(int));
     }
     return SUCCESS;
 }
