@@ -46,3 +46,11 @@ def installed(simulated_gpus):
     gpu_serde.install()
     yield simulated_gpus
     gpu_serde.uninstall()
+
+
+@pytest.fixture(scope="module", params=["sim", pytest.param("real", marks=pytest.mark.gpu)])
+def tier(request: pytest.FixtureRequest):
+    """A memory test runs twice: on simulated GPUs (CPU tier) and on the real GPU (``-m gpu``)."""
+    from memtier import make_tier
+
+    return make_tier(request)

@@ -11,7 +11,7 @@ from helpers import env_without_driver
 
 
 @pytest.mark.parametrize("engine", ["dask", "ray"])
-def test_the_demo_shows_one_uuid_and_skips_the_buffer_step_on_simulated_gpus(engine):
+def test_the_demo_shows_one_uuid_and_hands_the_buffer_on_simulated_gpus(engine):
     done = subprocess.run(
         [sys.executable, "-m", "gpu_serde.cli", "demo", "--engine", engine],
         env=env_without_driver(),  # as on a machine without a GPU: the demo simulates its own
@@ -22,10 +22,10 @@ def test_the_demo_shows_one_uuid_and_skips_the_buffer_step_on_simulated_gpus(eng
     out = done.stdout
     assert done.returncode == 0, out + done.stderr
     assert "running on 4 SIMULATED GPUs" in out
-    skipped = "buffer hand-off: skipped: simulated GPUs have no memory"
-    assert out.index("UUID received") < out.index(skipped) < out.index("cannot see it, and says so")
-    assert "pattern verified" not in out  # never claims a step it did not run
-    assert f"{engine}: the same UUID everywhere; buffer hand-off skipped (simulated GPUs);" in out
+    handed = "buffer hand-off (64 MiB from an IPC-enabled pool"
+    assert out.index("UUID received") < out.index(handed) < out.index("cannot see it, and says so")
+    assert out.count("pattern verified, no copy") == 3  # worker-1 to each other GPU worker
+    assert f"{engine}: the same UUID everywhere; buffer verified on 3 workers;" in out
 
 
 def test_a_failed_or_wrong_hand_off_is_reported_as_failed_never_as_verified(capsys):

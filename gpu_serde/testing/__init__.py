@@ -6,15 +6,25 @@ driver does (unset: all; ``""``: none; ordinals, ``GPU-``/``MIG-`` UUIDs or uniq
 case; the list stops at the first entry that names no GPU). cuda.core sees real ``Device`` objects
 with UUIDs, names, PCI ids and a compute capability of 9.0.
 
+It keeps memory in host memory that other processes can map, enough for cuda.core 1.2's
+``set_current()``, streams and events (synchronous; IPC events too), ``DeviceMemoryResource`` with
+and without IPC, ``PinnedMemoryResource`` with IPC, ``VirtualMemoryResource`` with ``posix_fd``
+handles, ``cuMemcpy*``, ``cuMemsetD8/16/32*`` and pointer attributes. Each pool is one memfd (each
+VMM allocation too): an exported descriptor maps the same bytes in the importer, and a "device
+pointer" is a host address. It keeps the CUDA rules on imports (no self-import, importers free
+first, a destroyed pool's memory is gone) with the driver's error codes; :func:`violations` counts
+exporters that freed first. ``GPU_SERDE_SIM_TRACE=1`` prints every failing call.
+
+It does **not** simulate kernels (no CuPy or PyTorch work), the CUDA runtime (``Device.pci_bus_id``
+and ``Device.sync()`` fail), peer access between real devices (every "GPU" is host memory),
+managed memory, graphs, or timings (meaningless). docs/testing.md has the details and an example
+of testing a pipeline that passes buffers.
+
 The stand-in NVML presents the same GPUs and, like the real NVML, ignores ``CUDA_VISIBLE_DEVICES``:
 it enumerates every GPU of the host in the list's order. It answers what Ray's GPU count, dask-cuda
 and distributed's NVML diagnostics ask (counts, handles by index/UUID/PCI id, UUIDs, names, memory,
 CPU affinity, MIG mode: disabled, driver versions), so Ray counts the simulated GPUs and
 ``dask cuda worker`` / ``LocalCUDACluster`` start on them.
-
-It does **not** simulate contexts, memory, memory pools, IPC, streams, events, kernels, MIG
-instances, or the CUDA runtime (so ``Device.pci_bus_id``, ``set_current()`` and allocations fail;
-dask-cuda logs "Unable to start CUDA Context" and carries on): those need a real GPU.
 """
 
 from __future__ import annotations
@@ -39,12 +49,21 @@ __all__ = [
     "driver_dir",
     "make_gpus",
     "real_driver_present",
+    "violations",
 ]
 
 SPEC_ENV = "GPU_SERDE_SIM_GPUS"
 _HERE = Path(__file__).parent
-# library file name (also its soname) -> C source
-_LIBRARIES = {"libcuda.so.1": _HERE / "simdriver.c", "libnvidia-ml.so.1": _HERE / "simnvml.c"}
+#: library file name (also its soname) -> its C sources (the first defines the entry points); the
+#: driver's sources share the headers of _HEADERS
+_LIBRARIES = {
+    "libcuda.so.1": [
+        _HERE / f"{name}.c"
+        for name in ("simdriver", "simctx", "simmem", "simipc", "simcopy", "simvmm")
+    ],
+    "libnvidia-ml.so.1": [_HERE / "simnvml.c"],
+}
+_HEADERS = [_HERE / f"{name}.h" for name in ("simdriver", "simpool", "simsyms")]
 
 
 class SimulatedDriverError(RuntimeError):
@@ -95,16 +114,18 @@ def driver_dir() -> Path:
         SimulatedDriverError: no C compiler, or the build failed.
     """
     digest = hashlib.sha256()
-    for name, source in _LIBRARIES.items():
-        digest.update(name.encode() + b"\0" + source.read_bytes() + b"\0")
+    for source in _HEADERS:
+        digest.update(source.read_bytes() + b"\0")
+    for name, sources in _LIBRARIES.items():
+        digest.update(name.encode() + b"\0" + b"".join(p.read_bytes() for p in sources) + b"\0")
     folder = _cache_root() / f"simdriver-{digest.hexdigest()[:16]}"
-    for name, source in _LIBRARIES.items():
+    for name, sources in _LIBRARIES.items():
         if not (folder / name).exists():
-            _build(source, folder, name)
+            _build(sources, folder, name)
     return folder
 
 
-def _build(source: Path, folder: Path, name: str) -> None:
+def _build(sources: list[Path], folder: Path, name: str) -> None:
     cc = os.environ.get("CC", "cc")
     if shutil.which(cc) is None:
         raise SimulatedDriverError(
@@ -113,7 +134,8 @@ def _build(source: Path, folder: Path, name: str) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".build-", suffix=".so")
     os.close(fd)
-    cmd = [cc, "-O2", "-shared", "-fPIC", f"-Wl,-soname,{name}", "-o", tmp, str(source)]
+    cmd = [cc, "-O2", "-shared", "-fPIC", "-pthread", f"-Wl,-soname,{name}", "-o", tmp]
+    cmd += [str(p) for p in sources]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         os.unlink(tmp)
@@ -219,3 +241,20 @@ def activate(
     folder = env["LD_LIBRARY_PATH"].split(":")[0]
     for name in _LIBRARIES:
         ctypes.CDLL(os.path.join(folder, name), mode=os.RTLD_GLOBAL)
+
+
+def violations() -> int:
+    """How many times this process, as an exporter, freed pool memory that a live importer in
+    another process still held (CUDA: importers free first). The stand-in also says so on stderr
+    each time (``GPU_SERDE_SIM_STRICT=1`` aborts the process instead).
+
+    Raises:
+        SimulatedDriverError: the stand-in driver is not loaded in this process.
+    """
+    try:
+        lib = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD)
+        count = lib.gpu_serde_sim_violations
+    except (OSError, AttributeError):
+        raise SimulatedDriverError("the simulated driver is not loaded in this process") from None
+    count.restype = ctypes.c_long
+    return int(count())

@@ -5,24 +5,20 @@
  * "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" or "MIG-...") and applies CUDA_VISIBLE_DEVICES at cuInit
  * the way the real driver does: unset selects every GPU; an empty string selects none; entries are
  * ordinals or GPU-/MIG- UUIDs (full or a unique prefix, any case); the list stops at the first invalid
- * entry. It implements device enumeration and identity only: no contexts, memory, streams or kernels.
+ * entry. This file holds device enumeration and identity, errors and cuGetProcAddress; contexts,
+ * streams and events are in simctx.c, memory pools in simmem.c and their IPC in simipc.c, copies in
+ * simcopy.c and virtual memory management in simvmm.c. There are no kernels, no modules and no
+ * runtime export table.
  */
+#define _GNU_SOURCE
 #include <ctype.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-typedef int CUresult;
-typedef int CUdevice;
-typedef void *CUcontext;
-typedef struct { char bytes[16]; } CUuuid;
+#include "simdriver.h"
 
-enum {
-    SUCCESS = 0, INVALID_VALUE = 1, NOT_INITIALIZED = 3, NO_DEVICE = 100, INVALID_DEVICE = 101,
-    INVALID_CONTEXT = 201, NOT_FOUND = 500, NOT_SUPPORTED = 801,
-};
-
-#define MAX_GPUS 64
 struct gpu { unsigned char uuid[16]; int mig; char name[256]; char pci[32]; };
 static struct gpu all_gpus[MAX_GPUS];
 static int n_all = -1;               /* -1: not parsed yet, -2: spec invalid */
@@ -225,7 +221,16 @@ CUresult cuDeviceGetAttribute(int *value, int attrib, CUdevice dev) {
     case 16: *value = 132; break;    /* multiprocessor count */
     case 1: *value = 1024; break;    /* max threads per block */
     case 10: *value = 32; break;     /* warp size */
-    case 102: *value = 1; break;     /* virtual memory management supported (no allocations) */
+    case 41: *value = 1; break;      /* unified addressing */
+    case 19: *value = 1; break;      /* can map host memory */
+    case 102: *value = 1; break;     /* virtual memory management */
+    case 103: *value = 1; break;     /* POSIX fd handles */
+    case 115: *value = 1; break;     /* memory pools */
+    case 119: *value = 1; break;     /* pool handle types: POSIX fd */
+    case 125: *value = 1; break;     /* IPC events */
+    case 130: *value = 0; break;     /* NUMA config: none */
+    case 131: case 134: *value = 0; break; /* NUMA id, host NUMA id */
+    case 141: case 142: case 144: case 145: *value = 1; break; /* host pools and VMM */
     case 33: case 34: case 50: {     /* PCI bus / device / domain id */
         unsigned dom = 0, bus = 0, devn = 0;
         const char *pci = all_gpus[visible[dev]].pci;
@@ -241,8 +246,23 @@ CUresult cuDeviceGetAttribute(int *value, int attrib, CUdevice dev) {
     return SUCCESS;
 }
 
-CUresult cuCtxGetDevice(CUdevice *dev) { (void)dev; return INVALID_CONTEXT; }
-CUresult cuCtxGetCurrent(CUcontext *ctx) { if (!ctx) return INVALID_VALUE; *ctx = NULL; return SUCCESS; }
+CUresult sim_check_device(CUdevice dev) { return check(dev); }
+int sim_device_count(void) { return n_visible; }
+const unsigned char *sim_device_uuid(CUdevice dev) { return all_gpus[visible[dev]].uuid; }
+
+CUdevice sim_device_by_uuid(const unsigned char *uuid) {
+    for (int d = 0; d < n_visible; d++)
+        if (memcmp(all_gpus[visible[d]].uuid, uuid, 16) == 0) return d;
+    return -1;
+}
+
+/* GPU_SERDE_SIM_TRACE=1: every failing call says so on stderr. */
+CUresult sim_fail(CUresult code, const char *fn) {
+    static int trace = -1;
+    if (trace < 0) { const char *t = getenv("GPU_SERDE_SIM_TRACE"); trace = t && strcmp(t, "1") == 0; }
+    if (trace && code) fprintf(stderr, "gpu_serde simulated driver: %s -> %d\n", fn, code);
+    return code;
+}
 
 static const char *err_name(CUresult e) {
     switch (e) {
@@ -253,6 +273,12 @@ static const char *err_name(CUresult e) {
     case INVALID_DEVICE: return "CUDA_ERROR_INVALID_DEVICE";
     case INVALID_CONTEXT: return "CUDA_ERROR_INVALID_CONTEXT";
     case NOT_FOUND: return "CUDA_ERROR_NOT_FOUND";
+    case NOT_PERMITTED: return "CUDA_ERROR_NOT_PERMITTED";
+    case NOT_READY: return "CUDA_ERROR_NOT_READY";
+    case INVALID_HANDLE: return "CUDA_ERROR_INVALID_HANDLE";
+    case ALREADY_MAPPED: return "CUDA_ERROR_ALREADY_MAPPED";
+    case CONTEXT_ALREADY_CURRENT: return "CUDA_ERROR_CONTEXT_ALREADY_CURRENT";
+    case OUT_OF_MEMORY: return "CUDA_ERROR_OUT_OF_MEMORY";
     case NOT_SUPPORTED: return "CUDA_ERROR_NOT_SUPPORTED";
     default: return NULL;
     }
@@ -267,6 +293,12 @@ static const char *err_string(CUresult e) {
     case INVALID_DEVICE: return "invalid device ordinal";
     case INVALID_CONTEXT: return "invalid device context";
     case NOT_FOUND: return "named symbol not found";
+    case NOT_PERMITTED: return "operation not permitted";
+    case NOT_READY: return "device not ready";
+    case INVALID_HANDLE: return "invalid resource handle";
+    case ALREADY_MAPPED: return "resource already mapped";
+    case CONTEXT_ALREADY_CURRENT: return "context already current";
+    case OUT_OF_MEMORY: return "out of memory";
     case NOT_SUPPORTED: return "operation not supported (gpu_serde simulated driver)";
     default: return NULL;
     }
@@ -284,25 +316,20 @@ CUresult cuGetErrorString(CUresult e, const char **s) {
     return *s ? SUCCESS : INVALID_VALUE;
 }
 
+/* Addresses only: each function's prototype is in the file that defines it (simdriver.c's above). */
+#define SYM(name, fn) extern char fn[];
+#define OWN(name, fn)
+#include "simsyms.h"
+#undef SYM
+#undef OWN
 CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags, int *status);
-
 struct sym { const char *name; void *fn; };
 static const struct sym symbols[] = {
-    {"cuInit", (void *)cuInit},
-    {"cuDriverGetVersion", (void *)cuDriverGetVersion},
-    {"cuDeviceGetCount", (void *)cuDeviceGetCount},
-    {"cuDeviceGet", (void *)cuDeviceGet},
-    {"cuDeviceGetName", (void *)cuDeviceGetName},
-    {"cuDeviceGetUuid", (void *)cuDeviceGetUuid_v2},
-    {"cuDeviceGetUuid_v2", (void *)cuDeviceGetUuid_v2},
-    {"cuDeviceGetPCIBusId", (void *)cuDeviceGetPCIBusId},
-    {"cuDeviceTotalMem", (void *)cuDeviceTotalMem_v2},
-    {"cuDeviceTotalMem_v2", (void *)cuDeviceTotalMem_v2},
-    {"cuDeviceGetAttribute", (void *)cuDeviceGetAttribute},
-    {"cuCtxGetDevice", (void *)cuCtxGetDevice},
-    {"cuCtxGetCurrent", (void *)cuCtxGetCurrent},
-    {"cuGetErrorName", (void *)cuGetErrorName},
-    {"cuGetErrorString", (void *)cuGetErrorString},
+#define SYM(name, fn) {#name, (void *)fn},
+#define OWN(name, fn) {#name, (void *)fn},
+#include "simsyms.h"
+#undef SYM
+#undef OWN
     /* cuda-bindings 12.9.0 re-reads its own entry point through itself (CUDA version 12000) */
     {"cuGetProcAddress", (void *)cuGetProcAddress_v2},
     {NULL, NULL},

@@ -1,0 +1,325 @@
+/*
+ * gpu_serde stand-in CUDA driver: contexts, streams and events.
+ *
+ * Every device has one primary context; each thread has a context stack (cuCtxSetCurrent replaces
+ * its top). Work is done when it is issued (a copy or a memset runs inside the call), so streams and
+ * events only keep their flags: synchronising returns at once and every event is complete when
+ * recorded. Event times are host clock readings, meaningless as GPU timings. An IPC event handle
+ * names the exporting process and event; opening it elsewhere gives an event that is always complete.
+ */
+#define _GNU_SOURCE
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "simdriver.h"
+
+pthread_mutex_t sim_lock = PTHREAD_MUTEX_INITIALIZER;
+
+struct sim_ctx { uint32_t magic; int device; int retained; unsigned flags; unsigned long long id; };
+#define CTX_MAGIC 0x43545853u
+static struct sim_ctx primary[MAX_GPUS];
+static __thread CUcontext ctx_stack[32];
+static __thread int ctx_depth = 0;
+static unsigned long long next_id = 1;
+
+CUcontext sim_current_ctx(void) { return ctx_depth ? ctx_stack[ctx_depth - 1] : NULL; }
+
+int sim_ctx_device(CUcontext ctx) {
+    return (ctx && ctx->magic == CTX_MAGIC) ? ctx->device : -1;
+}
+
+CUresult cuDevicePrimaryCtxRetain(CUcontext *out, CUdevice dev) {
+    CUresult r = sim_check_device(dev);
+    if (r) return sim_fail(r, __func__);
+    if (!out) return sim_fail(INVALID_VALUE, __func__);
+    pthread_mutex_lock(&sim_lock);
+    struct sim_ctx *c = &primary[dev];
+    if (c->magic != CTX_MAGIC) { c->magic = CTX_MAGIC; c->device = dev; c->id = next_id++; }
+    c->retained++;
+    pthread_mutex_unlock(&sim_lock);
+    *out = c;
+    return SUCCESS;
+}
+
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
+    CUresult r = sim_check_device(dev);
+    if (r) return sim_fail(r, __func__);
+    pthread_mutex_lock(&sim_lock);
+    if (primary[dev].retained > 0) primary[dev].retained--;
+    pthread_mutex_unlock(&sim_lock);
+    return SUCCESS;
+}
+
+CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned *flags, int *active) {
+    CUresult r = sim_check_device(dev);
+    if (r) return sim_fail(r, __func__);
+    if (!flags || !active) return sim_fail(INVALID_VALUE, __func__);
+    *flags = primary[dev].flags;
+    *active = primary[dev].retained > 0;
+    return SUCCESS;
+}
+
+CUresult cuDevicePrimaryCtxSetFlags_v2(CUdevice dev, unsigned flags) {
+    CUresult r = sim_check_device(dev);
+    if (r) return sim_fail(r, __func__);
+    primary[dev].flags = flags;
+    return SUCCESS;
+}
+
+CUresult cuCtxSetCurrent(CUcontext ctx) {
+    if (ctx && sim_ctx_device(ctx) < 0) return sim_fail(INVALID_CONTEXT, __func__);
+    if (ctx_depth == 0) {
+        if (ctx) ctx_stack[ctx_depth++] = ctx;
+    } else if (ctx) {
+        ctx_stack[ctx_depth - 1] = ctx;
+    } else {
+        ctx_depth--;
+    }
+    return SUCCESS;
+}
+
+CUresult cuCtxGetCurrent(CUcontext *ctx) {
+    if (!ctx) return sim_fail(INVALID_VALUE, __func__);
+    *ctx = sim_current_ctx();
+    return SUCCESS;
+}
+
+CUresult cuCtxPushCurrent_v2(CUcontext ctx) {
+    if (sim_ctx_device(ctx) < 0) return sim_fail(INVALID_CONTEXT, __func__);
+    if (ctx_depth >= 32) return sim_fail(OUT_OF_MEMORY, __func__);
+    ctx_stack[ctx_depth++] = ctx;
+    return SUCCESS;
+}
+
+CUresult cuCtxPopCurrent_v2(CUcontext *ctx) {
+    if (ctx_depth == 0) return sim_fail(INVALID_CONTEXT, __func__);
+    CUcontext top = ctx_stack[--ctx_depth];
+    if (ctx) *ctx = top;
+    return SUCCESS;
+}
+
+/* No current context: INVALID_CONTEXT (cuda.core then takes device 0, as before contexts existed). */
+CUresult cuCtxGetDevice(CUdevice *dev) {
+    CUcontext c = sim_current_ctx();
+    if (!c) return INVALID_CONTEXT;
+    if (!dev) return sim_fail(INVALID_VALUE, __func__);
+    *dev = c->device;
+    return SUCCESS;
+}
+
+CUresult cuCtxGetDevice_v2(CUdevice *dev, CUcontext ctx) {
+    if (!ctx) return cuCtxGetDevice(dev);
+    if (sim_ctx_device(ctx) < 0) return sim_fail(INVALID_CONTEXT, __func__);
+    if (!dev) return sim_fail(INVALID_VALUE, __func__);
+    *dev = ctx->device;
+    return SUCCESS;
+}
+
+CUresult cuCtxGetId(CUcontext ctx, unsigned long long *id) {
+    if (!ctx) ctx = sim_current_ctx();
+    if (sim_ctx_device(ctx) < 0) return sim_fail(INVALID_CONTEXT, __func__);
+    if (!id) return sim_fail(INVALID_VALUE, __func__);
+    *id = ctx->id;
+    return SUCCESS;
+}
+
+CUresult cuCtxGetApiVersion(CUcontext ctx, unsigned *version) {
+    if (!ctx) ctx = sim_current_ctx();
+    if (sim_ctx_device(ctx) < 0) return sim_fail(INVALID_CONTEXT, __func__);
+    if (!version) return sim_fail(INVALID_VALUE, __func__);
+    *version = 13000;
+    return SUCCESS;
+}
+
+CUresult cuCtxGetFlags(unsigned *flags) {
+    CUcontext c = sim_current_ctx();
+    if (!c) return sim_fail(INVALID_CONTEXT, __func__);
+    if (!flags) return sim_fail(INVALID_VALUE, __func__);
+    *flags = c->flags;
+    return SUCCESS;
+}
+
+CUresult cuCtxSynchronize(void) {
+    return sim_current_ctx() ? SUCCESS : sim_fail(INVALID_CONTEXT, __func__);
+}
+
+CUresult cuCtxGetStreamPriorityRange(int *least, int *greatest) {
+    if (least) *least = 0;
+    if (greatest) *greatest = -5;
+    return SUCCESS;
+}
+
+/* ---- streams ---- */
+struct sim_stream {
+    uint32_t magic; int device; CUcontext ctx; unsigned flags; int priority; unsigned long long id;
+};
+#define STREAM_MAGIC 0x4d525453u
+#define LEGACY_STREAM ((CUstream)0x1)
+#define PER_THREAD_STREAM ((CUstream)0x2)
+
+/* The device a stream belongs to; the default streams belong to the current context's. */
+CUresult sim_stream_check(CUstream s, int *device) {
+    if (s == NULL || s == LEGACY_STREAM || s == PER_THREAD_STREAM) {
+        CUcontext c = sim_current_ctx();
+        if (!c) return INVALID_CONTEXT;
+        if (device) *device = c->device;
+        return SUCCESS;
+    }
+    if (s->magic != STREAM_MAGIC) return INVALID_HANDLE;
+    if (device) *device = s->device;
+    return SUCCESS;
+}
+
+CUresult cuStreamCreateWithPriority(CUstream *out, unsigned flags, int priority) {
+    CUcontext c = sim_current_ctx();
+    if (!c) return sim_fail(INVALID_CONTEXT, __func__);
+    if (!out) return sim_fail(INVALID_VALUE, __func__);
+    struct sim_stream *s = calloc(1, sizeof *s);
+    if (!s) return sim_fail(OUT_OF_MEMORY, __func__);
+    pthread_mutex_lock(&sim_lock);
+    *s = (struct sim_stream){STREAM_MAGIC, c->device, c, flags, priority, next_id++};
+    pthread_mutex_unlock(&sim_lock);
+    *out = s;
+    return SUCCESS;
+}
+
+CUresult cuStreamCreate(CUstream *out, unsigned flags) { return cuStreamCreateWithPriority(out, flags, 0); }
+
+CUresult cuStreamDestroy_v2(CUstream s) {
+    if (!s || s == LEGACY_STREAM || s == PER_THREAD_STREAM || s->magic != STREAM_MAGIC)
+        return sim_fail(INVALID_HANDLE, __func__);
+    s->magic = 0;
+    free(s);
+    return SUCCESS;
+}
+
+#define STREAM_OP(name)                                         \
+    CUresult r = sim_stream_check(s, NULL);                     \
+    if (r) return sim_fail(r, name);
+CUresult cuStreamSynchronize(CUstream s) { STREAM_OP(__func__) return SUCCESS; }
+CUresult cuStreamQuery(CUstream s) { STREAM_OP(__func__) return SUCCESS; }
+CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags) {
+    (void)e; (void)flags; STREAM_OP(__func__) return SUCCESS;
+}
+CUresult cuStreamGetPriority(CUstream s, int *p) {
+    STREAM_OP(__func__)
+    if (!p) return sim_fail(INVALID_VALUE, __func__);
+    *p = (s == NULL || s == LEGACY_STREAM || s == PER_THREAD_STREAM) ? 0 : s->priority;
+    return SUCCESS;
+}
+CUresult cuStreamGetFlags(CUstream s, unsigned *f) {
+    STREAM_OP(__func__)
+    if (!f) return sim_fail(INVALID_VALUE, __func__);
+    *f = (s == NULL || s == LEGACY_STREAM || s == PER_THREAD_STREAM) ? 0 : s->flags;
+    return SUCCESS;
+}
+CUresult cuStreamGetId(CUstream s, unsigned long long *id) {
+    STREAM_OP(__func__)
+    if (!id) return sim_fail(INVALID_VALUE, __func__);
+    *id = (s == NULL || s == LEGACY_STREAM || s == PER_THREAD_STREAM) ? (uintptr_t)s : s->id;
+    return SUCCESS;
+}
+CUresult cuStreamGetDevice(CUstream s, CUdevice *dev) {
+    int d;
+    CUresult r = sim_stream_check(s, &d);
+    if (r) return sim_fail(r, __func__);
+    if (!dev) return sim_fail(INVALID_VALUE, __func__);
+    *dev = d;
+    return SUCCESS;
+}
+CUresult cuStreamGetCtx(CUstream s, CUcontext *ctx) {
+    STREAM_OP(__func__)
+    if (!ctx) return sim_fail(INVALID_VALUE, __func__);
+    *ctx = (s == NULL || s == LEGACY_STREAM || s == PER_THREAD_STREAM) ? sim_current_ctx() : s->ctx;
+    return SUCCESS;
+}
+
+/* ---- events ---- */
+struct sim_event { uint32_t magic; unsigned flags; int recorded; struct timespec t; };
+#define EVENT_MAGIC 0x544e5645u
+#define EV_DISABLE_TIMING 2u
+#define EV_INTERPROCESS 4u
+static const char ipc_event_tag[8] = "GSSIMEVT";
+
+static int event_ok(CUevent e) { return e && e->magic == EVENT_MAGIC; }
+
+CUresult cuEventCreate(CUevent *out, unsigned flags) {
+    if (!sim_current_ctx()) return sim_fail(INVALID_CONTEXT, __func__);
+    if (!out || flags & ~7u) return sim_fail(INVALID_VALUE, __func__);
+    if ((flags & EV_INTERPROCESS) && !(flags & EV_DISABLE_TIMING)) return sim_fail(INVALID_VALUE, __func__);
+    struct sim_event *e = calloc(1, sizeof *e);
+    if (!e) return sim_fail(OUT_OF_MEMORY, __func__);
+    e->magic = EVENT_MAGIC;
+    e->flags = flags;
+    *out = e;
+    return SUCCESS;
+}
+
+CUresult cuEventRecord(CUevent e, CUstream s) {
+    if (!event_ok(e)) return sim_fail(INVALID_HANDLE, __func__);
+    CUresult r = sim_stream_check(s, NULL);
+    if (r) return sim_fail(r, __func__);
+    clock_gettime(CLOCK_MONOTONIC, &e->t);
+    e->recorded = 1;
+    return SUCCESS;
+}
+
+CUresult cuEventRecordWithFlags(CUevent e, CUstream s, unsigned flags) { (void)flags; return cuEventRecord(e, s); }
+CUresult cuEventSynchronize(CUevent e) { return event_ok(e) ? SUCCESS : sim_fail(INVALID_HANDLE, __func__); }
+CUresult cuEventQuery(CUevent e) { return event_ok(e) ? SUCCESS : sim_fail(INVALID_HANDLE, __func__); }
+
+CUresult cuEventDestroy_v2(CUevent e) {
+    if (!event_ok(e)) return sim_fail(INVALID_HANDLE, __func__);
+    e->magic = 0;
+    free(e);
+    return SUCCESS;
+}
+
+CUresult cuEventElapsedTime_v2(float *ms, CUevent a, CUevent b) {
+    if (!ms) return sim_fail(INVALID_VALUE, __func__);
+    if (!event_ok(a) || !event_ok(b)) return sim_fail(INVALID_HANDLE, __func__);
+    if ((a->flags | b->flags) & EV_DISABLE_TIMING) return sim_fail(INVALID_HANDLE, __func__);
+    if (!a->recorded || !b->recorded) return sim_fail(INVALID_HANDLE, __func__);
+    *ms = (float)((double)(b->t.tv_sec - a->t.tv_sec) * 1e3 + (double)(b->t.tv_nsec - a->t.tv_nsec) / 1e6);
+    return SUCCESS;
+}
+
+CUresult cuIpcGetEventHandle(CUipcEventHandle *h, CUevent e) {
+    if (!h) return sim_fail(INVALID_VALUE, __func__);
+    if (!event_ok(e)) return sim_fail(INVALID_HANDLE, __func__);
+    if (!(e->flags & EV_INTERPROCESS)) return sim_fail(INVALID_VALUE, __func__);
+    memset(h, 0, sizeof *h);
+    int32_t pid = getpid();
+    uint64_t addr = (uintptr_t)e;
+    memcpy(h->reserved, ipc_event_tag, 8);
+    memcpy(h->reserved + 8, &pid, 4);
+    memcpy(h->reserved + 16, &addr, 8);
+    return SUCCESS;
+}
+
+/* The handle is passed by value, as in the real API. */
+CUresult cuIpcOpenEventHandle(CUevent *out, CUipcEventHandle h) {
+    if (!out) return sim_fail(INVALID_VALUE, __func__);
+    if (!sim_current_ctx()) return sim_fail(INVALID_CONTEXT, __func__);
+    int32_t pid;
+    memcpy(&pid, h.reserved + 8, 4);
+    if (memcmp(h.reserved, ipc_event_tag, 8) != 0) return sim_fail(INVALID_VALUE, __func__);
+    if (pid == getpid()) return sim_fail(INVALID_CONTEXT, __func__); /* no self-import */
+    struct sim_event *e = calloc(1, sizeof *e);
+    if (!e) return sim_fail(OUT_OF_MEMORY, __func__);
+    e->magic = EVENT_MAGIC;
+    e->flags = EV_INTERPROCESS | EV_DISABLE_TIMING;
+    e->recorded = 1;
+    *out = e;
+    return SUCCESS;
+}
+
+/* Nothing is ever captured into a graph here. */
+CUresult cuStreamIsCapturing(CUstream s, int *status) {
+    STREAM_OP(__func__)
+    if (!status) return sim_fail(INVALID_VALUE, __func__);
+    *status = 0;
+    return SUCCESS;
+}

@@ -1,0 +1,205 @@
+"""Soak: many buffer hand-offs through multiprocessing, Ray and Dask leave nothing behind.
+
+Each hand-off allocates a small buffer from an IPC pool, writes its number into it, sends it, and
+the receiver reads the number back with ``cuMemcpyDtoH`` and drops the buffer; the sender drops
+its own first. After a warm-up, the resident memory and the open descriptors of the sender and the
+receiver stay flat, and at the end the sender's broker holds nothing and the pool is empty.
+
+``GPU_SERDE_SOAK_HANDOFFS`` sets how many hand-offs each engine makes (default: 10,000 through
+multiprocessing and Ray, 2,000 through Dask); each test prints its time per 1,000. Runs on simulated GPUs (CPU tier) and on the real GPU (``-m gpu``).
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import time
+
+import pytest
+from cuda.core import Device, DeviceMemoryResource, DeviceMemoryResourceOptions
+from memtier import held, ray_by_value, short_release_grace, wait_until
+
+import gpu_serde
+
+#: Hand-offs per engine: 10,000 where that takes under a minute on 2 cores; Dask's tasks take about
+#: 20 ms each there, so it makes 2,000 unless GPU_SERDE_SOAK_HANDOFFS says otherwise (for every engine).
+DEFAULTS = {"multiprocessing": 10_000, "ray": 10_000, "dask": 2_000}
+
+
+def handoffs(engine: str) -> int:
+    return int(os.environ.get("GPU_SERDE_SOAK_HANDOFFS", DEFAULTS[engine]))
+
+
+SIZE = 64 << 10
+RSS_SLACK = 24 << 20  # bytes a process may grow after the warm-up (allocator noise, not a leak)
+FD_SLACK = (
+    8  # descriptors an engine may open after the warm-up (its sockets), far below one per 100
+)
+
+
+def footprint(pid: int) -> tuple[int, int]:
+    """(resident bytes, open descriptors) of a process on this host."""
+    with open(f"/proc/{pid}/status") as f:
+        rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    return rss, len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def read_number(buf) -> tuple[int, int]:
+    """Runs in the receiver: the number in the buffer's first word, and the receiver's pid."""
+    import numpy as np
+    from cuda.bindings import driver
+
+    buf = gpu_serde.resolve(buf)
+    Device(buf.device_id).set_current()
+    word = np.zeros(1, dtype=np.uint32)
+    (err,) = driver.cuMemcpyDtoH(word, int(buf.handle), 4)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuMemcpyDtoH: {err!r}")
+    return int(word[0]), os.getpid()
+
+
+def serve_numbers(inbox, outbox) -> None:
+    while (buf := inbox.get(timeout=120)) is not None:
+        outbox.put(read_number(buf))
+        del buf
+
+
+class Soak:
+    """Counts hand-offs, samples both sides after the warm-up and at the end, and times them."""
+
+    def __init__(self, pool, engine: str) -> None:
+        self.pool = pool
+        self.count = handoffs(engine)
+        self.stream = Device(pool.device_id).default_stream
+        self.marks: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {}
+        self.receiver = 0
+
+    def buffer(self, i: int):
+        from cuda.bindings import driver
+
+        buf = self.pool.allocate(SIZE, stream=self.stream)
+        (err,) = driver.cuMemsetD32Async(int(buf.handle), i, SIZE // 4, int(self.stream.handle))
+        assert err == driver.CUresult.CUDA_SUCCESS
+        self.stream.sync()
+        return buf
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = (footprint(os.getpid()), footprint(self.receiver))
+
+    def run(self, send) -> float:
+        """Call ``send(buffer)`` -> (number, receiver pid) for each hand-off; seconds per 1,000."""
+        started, holds, warmup = 0.0, held(), max(self.count // 10, 1)
+        for i in range(self.count):
+            if i == warmup:
+                self.mark("warm")
+                started = time.monotonic()
+            number, self.receiver = send(self.buffer(i))
+            assert number == i
+        per_1000 = (time.monotonic() - started) / max(self.count - warmup, 1) * 1000
+        # every hold this soak made is let go (holds left by earlier tests may go meanwhile)
+        assert wait_until(lambda: held() <= holds, 30)
+        gc.collect()
+        assert wait_until(lambda: self.pool.attributes.used_mem_current == 0, 30), (
+            self.pool.attributes.used_mem_current
+        )
+        self.mark("end")
+        print(f"\n{self.count} hand-offs: {per_1000:.2f} s per 1,000 after the warm-up")
+        return per_1000
+
+    def growth(self) -> dict[str, tuple[int, int]]:
+        """(RSS growth, descriptor growth) of each side from the warm-up to the end."""
+        (sw, rw), (se, re) = self.marks["warm"], self.marks["end"]
+        return {
+            "sender": (se[0] - sw[0], se[1] - sw[1]),
+            "receiver": (re[0] - rw[0], re[1] - rw[1]),
+        }
+
+
+def assert_flat(soak: Soak) -> None:
+    print(f"growth after the warm-up (RSS bytes, descriptors): {soak.growth()}")
+    for side, (rss, fds) in soak.growth().items():
+        assert rss <= RSS_SLACK, f"{side} RSS grew {rss >> 20} MiB"
+        assert fds <= FD_SLACK, f"{side} opened {fds} more descriptors"
+
+
+@pytest.fixture
+def pool(tier, monkeypatch):
+    gpu_serde.install()
+    short_release_grace(monkeypatch)
+    d = Device(tier.ordinal)
+    d.set_current()
+    mr = DeviceMemoryResource(d, DeviceMemoryResourceOptions(ipc_enabled=True, max_size=64 << 20))
+    yield mr
+    mr.close()
+    gpu_serde.uninstall()
+
+
+def test_multiprocessing_handoffs_leave_nothing_behind(pool, tier, monkeypatch):
+    ctx = multiprocessing.get_context("spawn")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", tier.uuid)
+    soak = Soak(pool, "multiprocessing")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=serve_numbers, args=(inbox, outbox))
+    child.start()
+
+    def send(buf):
+        inbox.put(buf)
+        del buf
+        return outbox.get(timeout=60)
+
+    try:
+        soak.run(send)
+    finally:
+        inbox.put(None)
+        child.join(60)
+    assert_flat(soak)
+
+
+def test_ray_handoffs_leave_nothing_behind(pool, tier):
+    import ray
+
+    import gpu_serde.ray
+
+    ray_by_value(__name__)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CUDA_VISIBLE_DEVICES", tier.uuid)
+        gpu_serde.ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False)
+    try:
+
+        @ray.remote(num_gpus=1)
+        class Receiver:
+            def read(self, buf):
+                return read_number(buf)
+
+        receiver = Receiver.remote()
+        soak = Soak(pool, "ray")
+        soak.run(lambda buf: ray.get(receiver.read.remote(buf), timeout=60))
+        assert_flat(soak)
+    finally:
+        ray.shutdown()
+
+
+def test_dask_handoffs_leave_nothing_behind(pool, tier):
+    import dask
+    from distributed import Client, LocalCluster
+
+    import gpu_serde.dask
+
+    with (
+        # LocalCluster's scheduler runs in the sender's process and its log of recent messages
+        # keeps the last 1000 buffers alive (docs/memory.md): without this the pool stays full
+        dask.config.set({"distributed.admin.low-level-log-length": 0}),
+        LocalCluster(
+            n_workers=1,
+            threads_per_worker=1,
+            host="127.0.0.1",
+            dashboard_address=":0",
+            env={"CUDA_VISIBLE_DEVICES": tier.uuid},
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        gpu_serde.dask.register(client)
+        soak = Soak(pool, "dask")
+        soak.run(lambda buf: client.submit(read_number, buf, pure=False).result(timeout=60))
+        assert_flat(soak)
