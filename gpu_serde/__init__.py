@@ -6,7 +6,7 @@ Public names::
     visible_devices()                     the GPUs this process sees (DeviceInfo list)
     resolve(obj)                          a received object, or its typed error
     DeviceInfo, UnresolvedDevice, UnresolvedObject, canonical_uuid
-    DeviceNotVisibleError, PayloadError, CompatibilityError
+    DeviceNotVisibleError, PayloadError, CompatibilityError, PlacementError
     HandoffError and its kinds: OtherHostError, ExporterGoneError, TokenRefusedError,
     NotIPCEnabledError (memory hand-off)
 
@@ -24,6 +24,7 @@ from gpu_serde.errors import (
     NotIPCEnabledError,
     OtherHostError,
     PayloadError,
+    PlacementError,
     TokenRefusedError,
 )
 from gpu_serde.identity import DeviceInfo, canonical_uuid
@@ -40,6 +41,7 @@ __all__ = [
     "NotIPCEnabledError",
     "OtherHostError",
     "PayloadError",
+    "PlacementError",
     "TokenRefusedError",
     "UnresolvedDevice",
     "UnresolvedObject",

@@ -20,6 +20,8 @@ from cuda.core import Buffer, Device, DeviceMemoryResource, PinnedMemoryResource
 from dask.tokenize import normalize_token
 from distributed.diagnostics.plugin import WorkerPlugin
 
+from gpu_serde.dask_placement import on as on
+from gpu_serde.dask_placement import publish
 from gpu_serde.identity import uuid_bytes
 from gpu_serde.inventory import inventory, set_role, uuid_of
 from gpu_serde.registry import ensure_installed
@@ -50,13 +52,14 @@ def _tokenize_pool(mr: DeviceMemoryResource | PinnedMemoryResource) -> tuple:
     return (type(mr).__name__, str(mr.uuid), id(mr), os.getpid())
 
 
-def _setup_worker(worker: Any) -> None:
+def _setup_worker(worker: Any) -> Any:
     ensure_installed("Dask")
     set_role(f"dask worker {worker.address}")
     inv = inventory()
     logger.debug(
         "gpu_serde: dask worker %s pid %d:\n%s", worker.address, os.getpid(), inv.describe()
     )
+    return publish(worker)  # its own GPU as a resource, for on()
 
 
 class GPUSerdePlugin(WorkerPlugin):
@@ -70,9 +73,9 @@ class GPUSerdePlugin(WorkerPlugin):
     idempotent = True
     name = "gpu_serde"
 
-    def setup(self, worker: Any) -> None:
+    def setup(self, worker: Any) -> Any:
         """Install gpu_serde in ``worker``'s process."""
-        _setup_worker(worker)
+        return _setup_worker(worker)
 
 
 def register(client: Any) -> None:
@@ -95,12 +98,12 @@ def register(client: Any) -> None:
     client.register_plugin(GPUSerdePlugin())
 
 
-def dask_setup(service: Any) -> None:
+def dask_setup(service: Any) -> Any:
     """Preload hook: ``dask worker --preload gpu_serde.dask`` / ``dask scheduler --preload ...``."""
     from distributed import Worker
 
     if isinstance(service, Worker):
-        _setup_worker(service)
+        return _setup_worker(service)
     else:
         ensure_installed("Dask")
         set_role(f"dask {type(service).__name__.lower()} {getattr(service, 'address', '')}")

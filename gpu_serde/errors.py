@@ -63,3 +63,8 @@ class OtherHostError(HandoffError):
 class CompatibilityError(RuntimeError):
     """An installed library (cuda.core, Python's multiprocessing) lacks a private name that
     gpu_serde needs; the message names it and the versions known to work."""
+
+
+class PlacementError(RuntimeError):
+    """``gpu_serde.dask.on`` / ``gpu_serde.ray.on`` cannot place the work as asked: objects on
+    different GPUs, or a guarantee the engine cannot give (the message says what to do)."""

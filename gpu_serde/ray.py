@@ -25,6 +25,7 @@ import os
 from typing import Any
 
 from gpu_serde.inventory import set_role
+from gpu_serde.ray_placement import on as on
 from gpu_serde.registry import ensure_installed
 
 #: The ``worker_process_setup_hook`` that installs gpu_serde in a Ray worker.

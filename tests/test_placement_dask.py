@@ -1,0 +1,171 @@
+"""Dask: ``gpu_serde.dask.on(dev)`` sends a task to a worker that sees the GPU, its owner first.
+
+Four workers see four simulated GPUs rotated as dask-cuda does (each worker's device 0 is another
+GPU: its owner), and a fifth sees none.
+"""
+
+import os
+import time
+
+import dask
+import pytest
+from cuda.core import Device
+from distributed import Client, Nanny, Scheduler, SpecCluster, get_worker
+from doc_blocks import python_blocks, run_block
+
+import gpu_serde
+import gpu_serde.dask
+from gpu_serde.identity import uuid_bytes
+from gpu_serde.payload import encode_device
+
+pytest.importorskip("markdown_it", reason="the docs extra reads the README's code blocks")
+
+OTHER_HOST_GPU = "GPU-0badc0de-0000-4000-8000-000000000001"
+
+
+def layout(uuids: list[str]) -> dict[str, str]:
+    spec = {f"w{i}": ",".join(uuids[i:] + uuids[:i]) for i in range(len(uuids))}
+    spec["blind"] = ""
+    return spec
+
+
+@pytest.fixture(scope="module")
+def dask_cluster(simulated_gpus):
+    uuids = [g.uuid for g in simulated_gpus]
+    env = layout(uuids)
+    workers = {
+        name: {
+            "cls": Nanny,
+            "options": {"nthreads": 2, "host": "127.0.0.1", "env": {"CUDA_VISIBLE_DEVICES": cvd}},
+        }
+        for name, cvd in env.items()
+    }
+    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": ":0"}}
+    with SpecCluster(workers=workers, scheduler=scheduler) as cluster, Client(cluster) as client:
+        gpu_serde.dask.register(client)
+        client.wait_for_workers(len(env), timeout=120)
+        deadline = (
+            time.monotonic() + 60
+        )  # workers that joined after register() publish a moment later
+        while time.monotonic() < deadline and len(owners(client)) < len(uuids):
+            time.sleep(0.1)
+        by_name = {w["name"]: a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+        yield client, by_name, uuids, cluster.scheduler_address
+    gpu_serde.uninstall()
+
+
+def owners(client) -> dict[str, str]:
+    """GPU UUID -> name of the worker that published it."""
+    info = client.scheduler_info(n_workers=-1)["workers"]
+    return {r: w["name"] for w in info.values() for r in w["resources"] if r.startswith("GPU-")}
+
+
+def where(device) -> tuple:
+    d = gpu_serde.resolve(device)
+    return (get_worker().name, d.device_id, d.uuid)
+
+
+def test_each_worker_publishes_its_device_0_as_a_resource(dask_cluster):
+    client, _, uuids, _ = dask_cluster
+    assert owners(client) == {u: f"w{i}" for i, u in enumerate(uuids)}
+
+
+@pytest.mark.parametrize("k", range(4))
+def test_twenty_routed_tasks_all_run_on_the_gpus_owner_and_resolve_it(dask_cluster, k):
+    client, _, uuids, _ = dask_cluster
+    dev = Device(k)
+    futures = client.map(where, [dev] * 20, pure=False, **gpu_serde.dask.on(dev))
+    assert client.gather(futures) == [(f"w{k}", 0, uuids[k][4:])] * 20
+
+
+def test_a_routed_graph_runs_on_the_owner(dask_cluster):
+    client, _, uuids, _ = dask_cluster
+    dev = Device(3)
+    lazy = dask.delayed(where)(dev)
+    assert client.compute(lazy, **gpu_serde.dask.on(dev)).result(timeout=60) == (
+        "w3",
+        0,
+        uuids[3][4:],
+    )
+
+
+def test_not_exclusive_restricts_to_the_owners_by_address(dask_cluster):
+    client, by_name, _, _ = dask_cluster
+    assert gpu_serde.dask.on(Device(2), client, exclusive=False) == {
+        "workers": [by_name["w2"]],
+        "allow_other_workers": False,
+    }
+
+
+async def _withdraw(dask_worker, uuid: str, amount: float) -> None:
+    await dask_worker.set_resources(**{uuid: amount})
+
+
+def test_without_an_owner_twenty_tasks_run_on_workers_that_see_the_gpu(dask_cluster):
+    client, by_name, uuids, _ = dask_cluster
+    client.run(_withdraw, uuid=uuids[2], amount=0, workers=[by_name["w2"]])  # w2 stops owning it
+    try:
+        dev = Device(2)
+        where_to = gpu_serde.dask.on(dev)
+        assert sorted(where_to["workers"]) == sorted(by_name[f"w{i}"] for i in range(4))
+        got = client.gather(client.map(where, [dev] * 20, pure=False, **where_to))
+        for name, ordinal, uuid in got:
+            assert uuid == uuids[2][4:]
+            assert ordinal == layout(uuids)[name].split(",").index(uuids[2])
+    finally:
+        client.run(_withdraw, uuid=uuids[2], amount=1, workers=[by_name["w2"]])
+
+
+def test_a_placeholder_routes_like_its_device(dask_cluster):
+    client, _, uuids, _ = dask_cluster
+    made = client.submit(lambda: Device(0), **gpu_serde.dask.on(Device(1)), pure=False)
+    arrived = made.result(timeout=60)  # a Device the client can see: Device(1) here
+    assert gpu_serde.dask.on(arrived) == {"resources": {uuids[1]: 1}}
+    stranger = gpu_serde.UnresolvedDevice(
+        encode_device(uuid_bytes(uuids[1]), False, 0, 1, "elsewhere", "H200"), None
+    )
+    assert gpu_serde.dask.on(stranger) == {"resources": {uuids[1]: 1}}
+
+
+def test_a_list_on_one_gpu_routes_and_one_on_two_gpus_raises(dask_cluster):
+    _, _, uuids, _ = dask_cluster
+    assert gpu_serde.dask.on([Device(1), (Device(1))]) == {"resources": {uuids[1]: 1}}
+    with pytest.raises(gpu_serde.PlacementError, match="2 different GPUs"):
+        gpu_serde.dask.on([Device(0), Device(1)])
+    with pytest.raises(gpu_serde.PlacementError, match="empty"):
+        gpu_serde.dask.on([])
+
+
+@pytest.mark.parametrize("bad", [1, "GPU-0", None, object()])
+def test_anything_else_is_a_type_error(dask_cluster, bad):
+    with pytest.raises(TypeError, match="on\\(\\) takes"):
+        gpu_serde.dask.on(bad)
+
+
+def test_a_gpu_no_worker_sees_raises_at_on_naming_every_worker(dask_cluster):
+    client, by_name, uuids, _ = dask_cluster
+    stranger = gpu_serde.UnresolvedDevice(
+        encode_device(uuid_bytes(OTHER_HOST_GPU), False, 0, 1, "elsewhere", "H200"), None
+    )
+    with pytest.raises(gpu_serde.DeviceNotVisibleError) as info:
+        gpu_serde.dask.on(stranger, client)
+    assert info.value.uuid == OTHER_HOST_GPU
+    text = str(info.value)
+    for name, address in by_name.items():
+        assert f"worker {name!r} ({address})" in text
+    assert f"0: {uuids[3]}" in text  # w3's device 0
+    assert "no GPU (CUDA_VISIBLE_DEVICES is empty" in text  # the blind worker
+
+
+def test_the_readme_dask_example_runs_as_written(dask_cluster):
+    _, _, uuids, address = dask_cluster
+    [code] = python_blocks("README.md", "gpu_serde.dask.on")
+    out = run_block(code, dict(os.environ, DASK_SCHEDULER_ADDRESS=address))
+    assert out.strip() == repr((0, uuids[1][4:]))  # Device(1), on w1: its owner
+
+
+def test_the_dask_quick_start_runs_as_written(dask_cluster):
+    _, _, uuids, address = dask_cluster
+    [code] = python_blocks("docs/quickstart-dask.md", "gpu_serde.dask.on")
+    out = run_block(code, dict(os.environ, DASK_SCHEDULER_ADDRESS=address))
+    assert out.strip() == repr((0, uuids[1][4:]))
