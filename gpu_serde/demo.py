@@ -1,7 +1,8 @@
 """``gpu-serde demo``: a local cluster whose workers number the GPUs differently, shown working.
 
 Each worker receives the same Device and prints the local ordinal it resolved and the UUID: the
-UUID is the same everywhere. Then one worker fills a 64 MiB buffer from an IPC-enabled pool and
+UUID is the same everywhere; so is the GPU of the tasks routed with ``on()`` (rows ``on() ...``:
+each lands where that GPU is). Then one worker fills a 64 MiB buffer from an IPC-enabled pool and
 every other GPU worker maps it without a copy and reads the pattern back, at its own ordinal.
 Last, a worker that cannot see the GPU shows the error it raises. Without a real GPU the demo runs
 on simulated GPUs (:mod:`gpu_serde.testing`) and says so; their memory is host memory that the
@@ -16,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from gpu_serde import testing
+from gpu_serde import demo_routing, testing
 from gpu_serde.inventory import uuid_of
 
 Row = tuple[str, tuple]  # worker name, what _report returned
@@ -304,6 +305,7 @@ def _run_dask(
             n: client.submit(_report, send, workers=[by_name[n]], pure=False) for n in layout
         }
         rows = [(n, f.result(timeout=120)) for n, f in futures.items()]
+        rows += demo_routing.dask_rows(client, send)
         hops = _handoff_dask(client, by_name, layout, send) if handoff else None
         _say("Shutting the cluster down ...")
         return rows, hops
@@ -337,6 +339,7 @@ def _run_ray(
             count = _gpus(layout, name)
             refs[name] = task.options(num_gpus=count, resources={name: 1}).remote(send)
         rows = [(n, ray.get(r, timeout=120)) for n, r in refs.items()]
+        rows += demo_routing.ray_rows(send)
         hops = _handoff_ray(layout, send) if handoff else None
         _say("Shutting the cluster down ...")
         return rows, hops

@@ -14,6 +14,8 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from gpu_serde.placement import ownership_notes
+
 #: Seconds a Ray node's probe may take (it may start a worker process first).
 PROBE_S = 120.0
 
@@ -177,6 +179,8 @@ def survey_dask(address: str, timeout: float = 30, expect: int = 0) -> Survey:
             scheduler = _report("scheduler", exc, role="scheduler")
     workers = [_report(f"{names.get(a, a)} ({a})", result) for a, result in sorted(raw.items())]
     _flag_shared(workers, "worker", primary_only=True)
+    for r in workers:
+        r.notes += ownership_notes(r.gpus, "dask") if r.installed else []
     survey = Survey("dask", address, [scheduler, *workers, _this_process()], expect)
     _count_problem(survey, "worker")
     return survey
@@ -250,6 +254,8 @@ def survey_ray(
                 "gpu_serde's worker hook did not run here (is gpu_serde installed on this node?)"
             ]
     _flag_shared(owning, "node", primary_only=False)
+    for r in owning:
+        r.notes += ownership_notes(r.gpus, "ray")
     survey = Survey("ray", address, [*reports, me], expect)
     _count_problem(survey, "node")
     return survey

@@ -8,12 +8,12 @@ chosen by the raylet, and no option of ``.options()`` names one. What Ray does l
   fails (``TaskUnschedulableError``/``ActorUnschedulableError`` when the node is gone); it never
   runs elsewhere.
 - **which GPUs the process sees**: a ``num_gpus=0`` task's ``CUDA_VISIBLE_DEVICES`` is whatever
-  its worker process was started with. Ray 2.60 never overrides it then; Ray 2.50 to 2.59 set it to
-  ``""`` unless ``RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=0`` is in the worker's environment (read by
-  the worker at each task, ``ray._private.utils.set_visible_accelerator_ids``). A per-task
-  ``runtime_env={"env_vars": ...}`` sets both in a worker process of its own: Ray keys its worker
-  pool by runtime_env, so that process only ever runs work routed to the same GPU, and its CUDA
-  can never have been started under another assignment.
+  its worker process was started with. Ray 2.58 and 2.60 never override it then; Ray 2.50 to
+  2.55 set it to ``""`` unless ``RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=0`` is in the worker's
+  environment (read by the worker at each task, ``ray._private.utils.set_visible_accelerator_ids``).
+  A per-task ``runtime_env={"env_vars": ...}`` sets both in a worker process of its own: Ray
+  keys its worker pool by runtime_env, so that process only ever runs work routed to the same
+  GPU, and its CUDA can never have been started under another assignment.
 
 So ``on(dev)`` returns ``num_gpus=0``, hard node affinity to the node whose GPUs include the UUID,
 and ``runtime_env={"env_vars": {"CUDA_VISIBLE_DEVICES": uuid, ...}}``: the task runs on that node

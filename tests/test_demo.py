@@ -26,6 +26,7 @@ def test_the_demo_shows_one_uuid_and_hands_the_buffer_on_simulated_gpus(engine):
     assert out.index("UUID received") < out.index(handed) < out.index("cannot see it, and says so")
     assert out.count("pattern verified, no copy") == 3  # worker-1 to each other GPU worker
     assert f"{engine}: the same UUID everywhere; buffer verified on 3 workers;" in out
+    assert f"routed with gpu_serde.{engine}.on()" in out  # its rows count in the verdict
 
 
 def test_a_failed_or_wrong_hand_off_is_reported_as_failed_never_as_verified(capsys):

@@ -169,3 +169,14 @@ def test_the_dask_quick_start_runs_as_written(dask_cluster):
     [code] = python_blocks("docs/quickstart-dask.md", "gpu_serde.dask.on")
     out = run_block(code, dict(os.environ, DASK_SCHEDULER_ADDRESS=address))
     assert out.strip() == repr((0, uuids[1][4:]))
+
+
+def test_doctor_shows_which_worker_owns_which_gpu(dask_cluster):
+    from gpu_serde import doctor
+
+    _, _, uuids, address = dask_cluster
+    reports = {r.name.split(" ")[0]: r for r in doctor.survey_dask(address)}
+    for i, uuid in enumerate(uuids):
+        assert any(n.startswith(f"owns {uuid} (its device 0)") for n in reports[f"w{i}"].notes)
+    assert not any("owns" in n for n in reports["blind"].notes)
+    assert "gpu_serde.dask.on()" in doctor.render(list(reports.values()))
