@@ -180,3 +180,20 @@ def test_doctor_shows_which_worker_owns_which_gpu(dask_cluster):
         assert any(n.startswith(f"owns {uuid} (its device 0)") for n in reports[f"w{i}"].notes)
     assert not any("owns" in n for n in reports["blind"].notes)
     assert "gpu_serde.dask.on()" in doctor.render(list(reports.values()))
+
+
+def test_workers_started_with_the_preload_publish_before_they_register(simulated_gpus):
+    from gpu_serde.testing.clusters import dask_cli_cluster
+
+    uuids = [g.uuid for g in simulated_gpus]
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    )
+    layout = {"solo": f"{uuids[2]},{uuids[0]}"}
+    with dask_cli_cluster(layout, env=env) as address, Client(address, timeout=60) as client:
+        client.wait_for_workers(1, timeout=120)
+        assert owners(client) == {uuids[2]: "solo"}  # sent with its registration
+        dev = Device(2)
+        got = client.submit(where, dev, pure=False, **gpu_serde.dask.on(dev)).result(60)
+        assert got == ("solo", 0, uuids[2][4:])
