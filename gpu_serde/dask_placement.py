@@ -121,13 +121,16 @@ def on(device: Any, client: Any = None, *, exclusive: bool = True) -> dict[str, 
 
     Raises:
         DeviceNotVisibleError: no worker sees that GPU; the message lists every worker's GPUs.
-        TypeError, PlacementError: ``device`` is not one of those, or names several GPUs.
+        TypeError, PlacementError: ``device`` is not one of those, or names several GPUs;
+            ``client`` is asynchronous (TypeError).
     """
     uuid = target_uuid(device)
     if client is None:
         from distributed import get_client
 
         client = get_client()
+    if getattr(client, "asynchronous", False):
+        raise TypeError("gpu_serde.dask.on() needs a synchronous Client (it asks the scheduler)")
     info: dict[str, Any] = client.scheduler_info(n_workers=-1)["workers"]
     owners = sorted(a for a, w in info.items() if w.get("resources", {}).get(uuid, 0) >= 1)
     if owners:
