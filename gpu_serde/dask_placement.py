@@ -68,19 +68,22 @@ def view() -> tuple[list[str], str]:
 
 
 def _worker_views(client: Any, addresses: list[str]) -> dict[str, tuple[list[str], str]]:
+    """What each worker at ``addresses`` sees; answers are cached, failures asked again later."""
     key = client.scheduler.address
     with _lock:
-        missing = [a for a in addresses if (key, a) not in _views]
+        views = {a: _views[(key, a)] for a in addresses if (key, a) in _views}
+    missing = [a for a in addresses if a not in views]
     if missing:
         got = client.run(view, workers=missing, on_error="return")
-        with _lock:
-            for address, result in got.items():
-                if isinstance(result, BaseException):
-                    _views[(key, address)] = ([], f"could not ask it: {result!r}")
-                else:
-                    _views[(key, address)] = (list(result[0]), str(result[1]))
-    with _lock:
-        return {a: _views.get((key, a), ([], "gone")) for a in addresses}
+        for address in missing:
+            result = got.get(address, RuntimeError("it left"))
+            if isinstance(result, BaseException):
+                views[address] = ([], f"could not ask it: {result!r:.300}")
+                continue
+            views[address] = (list(result[0]), str(result[1]))
+            with _lock:
+                _views[(key, address)] = views[address]
+    return {a: views[a] for a in addresses}
 
 
 def _not_seen(uuid: str, client: Any, info: dict[str, Any]) -> DeviceNotVisibleError:

@@ -80,7 +80,9 @@ def survey() -> tuple[str, list[str], str]:
     return ray.get_runtime_context().get_node_id(), [d.uuid for d in inv.devices], inv.reason
 
 
-def _survey(nodes: list[dict[str, Any]]) -> None:
+def _survey(nodes: list[dict[str, Any]]) -> dict[str, NodeView]:
+    """Ask each of ``nodes`` what its workers see; cache the answers (not the failures, which a
+    later call asks again)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -90,6 +92,7 @@ def _survey(nodes: list[dict[str, Any]]) -> None:
     for node in nodes:
         where = NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
         refs[node["NodeID"]] = task.options(scheduling_strategy=where, runtime_env=env).remote()
+    views = {}
     for node in nodes:
         node_id = node["NodeID"]
         resources = node.get("Resources", {})
@@ -98,13 +101,13 @@ def _survey(nodes: list[dict[str, Any]]) -> None:
         address = str(node.get("NodeManagerAddress", "?"))
         try:
             _, uuids, reason = ray.get(refs[node_id], timeout=SURVEY_TIMEOUT_S)
-            view = NodeView(node_id, address, tuple(uuids), gpus, reason, declared)
         except Exception as exc:  # a node that cannot answer is not a candidate, and is named
-            view = NodeView(node_id, address, (), gpus, f"could not ask it: {exc!r:.300}")
-            refs.pop(node_id)
+            views[node_id] = NodeView(node_id, address, (), gpus, f"could not ask it: {exc!r:.300}")
+            continue
+        views[node_id] = view = NodeView(node_id, address, tuple(uuids), gpus, reason, declared)
         with _lock:
-            if node_id in refs or node_id not in _views:
-                _views[node_id] = view
+            _views[node_id] = view
+    return views
 
 
 def node_views() -> list[NodeView]:
@@ -122,11 +125,11 @@ def node_views() -> list[NodeView]:
     nodes: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
     alive = [n for n in nodes if n.get("Alive")]
     with _lock:
-        new = [n for n in alive if n["NodeID"] not in _views]
+        known = {n["NodeID"]: _views[n["NodeID"]] for n in alive if n["NodeID"] in _views}
+    new = [n for n in alive if n["NodeID"] not in known]
     if new:
-        _survey(new)
-    with _lock:
-        return [_views[n["NodeID"]] for n in alive if n["NodeID"] in _views]
+        known.update(_survey(new))
+    return [known[n["NodeID"]] for n in alive]
 
 
 def _not_seen(uuid: str, views: list[NodeView]) -> DeviceNotVisibleError:

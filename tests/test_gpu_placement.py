@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from cuda.core import Device
+from cuda.core import Device, DeviceMemoryResource
 
 import gpu_serde
 
@@ -38,6 +38,7 @@ def test_a_routed_dask_task_uses_the_real_gpu_on_its_owner(installed):
 
     import gpu_serde.dask
 
+    Device(0).set_current()  # the pool below needs a current context
     uuid = installed[0].uuid
     layout = {"gpu": uuid, "blind": ""}
     workers = {
@@ -56,6 +57,10 @@ def test_a_routed_dask_task_uses_the_real_gpu_on_its_owner(installed):
             time.sleep(0.2)
         where = gpu_serde.dask.on(Device(0))
         assert where == {"resources": {uuid: 1}}
+        pool = DeviceMemoryResource(Device(0))
+        buf = pool.allocate(1 << 20, stream=Device(0).default_stream)
+        assert gpu_serde.dask.on(pool) == gpu_serde.dask.on([buf, Device(0)]) == where
+        buf.close()
 
         def routed(device):
             return (get_worker().name, *use(device))

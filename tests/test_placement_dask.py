@@ -127,6 +127,14 @@ def test_a_placeholder_routes_like_its_device(dask_cluster):
     assert gpu_serde.dask.on(stranger) == {"resources": {uuids[1]: 1}}
 
 
+def test_a_memory_resource_routes_to_its_devices_owner(dask_cluster):
+    from cuda.core import VirtualMemoryResource, VirtualMemoryResourceOptions
+
+    _, _, uuids, _ = dask_cluster
+    mr = VirtualMemoryResource(Device(2), VirtualMemoryResourceOptions(peers=(0,)))
+    assert gpu_serde.dask.on(mr) == {"resources": {uuids[2]: 1}}
+
+
 def test_a_list_on_one_gpu_routes_and_one_on_two_gpus_raises(dask_cluster):
     _, _, uuids, _ = dask_cluster
     assert gpu_serde.dask.on([Device(1), (Device(1))]) == {"resources": {uuids[1]: 1}}
