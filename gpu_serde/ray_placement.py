@@ -166,8 +166,9 @@ def on(
             the GPU; the node must declare that resource (``ray start --resources``).
 
     Returns:
-        ``{"num_gpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(...),
-        "runtime_env": {...}}``, plus ``"resources"`` when ``exclusive``.
+        a dict of ``num_gpus`` (0), ``scheduling_strategy`` (a hard
+        ``NodeAffinitySchedulingStrategy``) and ``runtime_env``, plus ``resources`` when
+        ``exclusive``.
 
     Raises:
         DeviceNotVisibleError: no alive node sees that GPU; the message lists every node's GPUs.
