@@ -19,6 +19,7 @@ Row = tuple[str, tuple[Any, ...]]
 def _where(device: Any, place: str) -> tuple[str, tuple[Any, ...]]:
     """Runs in a routed task: where it ran, and what it made of the Device (as the demo reports)."""
     import gpu_serde
+    from gpu_serde.inventory import uuid_of
 
     if place == "dask":
         from distributed import get_worker
@@ -31,7 +32,7 @@ def _where(device: Any, place: str) -> tuple[str, tuple[Any, ...]]:
     cvd = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
     try:
         d = gpu_serde.resolve(device)
-        return place, ("ok", cvd, d.device_id, "GPU-" + d.uuid)
+        return place, ("ok", cvd, d.device_id, uuid_of(d.device_id))
     except gpu_serde.DeviceNotVisibleError as exc:
         return place, ("error", cvd, None, str(exc))
 

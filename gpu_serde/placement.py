@@ -21,10 +21,8 @@ ACCEPTED = (
 
 
 def _placeholder_uuid(obj: Any) -> str:
-    """The GPU a received placeholder names. The only place that reads a placeholder's payload."""
-    from gpu_serde.payload import decode_device
-
-    return decode_device(obj._payload).canonical_uuid
+    """The GPU a received placeholder names (the one place that reads a placeholder's insides)."""
+    return str(obj._uuid)
 
 
 def _local_uuid(ordinal: int, what: str) -> str:

@@ -122,7 +122,7 @@ def node_views() -> list[NodeView]:
         raise RuntimeError(
             "gpu_serde.ray.on() needs a connected Ray: call gpu_serde.ray.init() first"
         )
-    nodes: list[dict[str, Any]] = ray.nodes()  # type: ignore[no-untyped-call]
+    nodes: list[dict[str, Any]] = ray.nodes()
     alive = [n for n in nodes if n.get("Alive")]
     with _lock:
         known = {n["NodeID"]: _views[n["NodeID"]] for n in alive if n["NodeID"] in _views}

@@ -17,10 +17,17 @@ import gpu_serde
 import gpu_serde.dask
 from gpu_serde.identity import uuid_bytes
 from gpu_serde.payload import encode_device
+from gpu_serde.wire import dev as rebuild_device
 
 pytest.importorskip("markdown_it", reason="the docs extra reads the README's code blocks")
 
 OTHER_HOST_GPU = "GPU-0badc0de-0000-4000-8000-000000000001"
+
+
+def placeholder(uuid: str) -> gpu_serde.UnresolvedDevice:
+    """A Device of GPU ``uuid`` as a process that cannot see it holds it."""
+    payload = encode_device(uuid_bytes(uuid), False, 0, 1, "elsewhere", "NVIDIA H200")
+    return gpu_serde.UnresolvedDevice(rebuild_device, payload, None)
 
 
 def layout(uuids: list[str]) -> dict[str, str]:
@@ -121,9 +128,7 @@ def test_a_placeholder_routes_like_its_device(dask_cluster):
     made = client.submit(lambda: Device(0), **gpu_serde.dask.on(Device(1)), pure=False)
     arrived = made.result(timeout=60)  # a Device the client can see: Device(1) here
     assert gpu_serde.dask.on(arrived) == {"resources": {uuids[1]: 1}}
-    stranger = gpu_serde.UnresolvedDevice(
-        encode_device(uuid_bytes(uuids[1]), False, 0, 1, "elsewhere", "H200"), None
-    )
+    stranger = placeholder(uuids[1])
     assert gpu_serde.dask.on(stranger) == {"resources": {uuids[1]: 1}}
 
 
@@ -152,9 +157,7 @@ def test_anything_else_is_a_type_error(dask_cluster, bad):
 
 def test_a_gpu_no_worker_sees_raises_at_on_naming_every_worker(dask_cluster):
     client, by_name, uuids, _ = dask_cluster
-    stranger = gpu_serde.UnresolvedDevice(
-        encode_device(uuid_bytes(OTHER_HOST_GPU), False, 0, 1, "elsewhere", "H200"), None
-    )
+    stranger = placeholder(OTHER_HOST_GPU)
     with pytest.raises(gpu_serde.DeviceNotVisibleError) as info:
         gpu_serde.dask.on(stranger, client)
     assert info.value.uuid == OTHER_HOST_GPU

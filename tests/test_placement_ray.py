@@ -19,12 +19,19 @@ import gpu_serde
 import gpu_serde.ray
 from gpu_serde.identity import uuid_bytes
 from gpu_serde.payload import encode_device
+from gpu_serde.wire import dev as rebuild_device
 
 pytest.importorskip("markdown_it", reason="the docs extra reads the README's code blocks")
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 MiB = 1024 * 1024
 OTHER_HOST_GPU = "GPU-0badc0de-0000-4000-8000-000000000001"
+
+
+def placeholder(uuid: str) -> gpu_serde.UnresolvedDevice:
+    """A Device of GPU ``uuid`` as a process that cannot see it holds it."""
+    payload = encode_device(uuid_bytes(uuid), False, 0, 1, "elsewhere", "NVIDIA H200")
+    return gpu_serde.UnresolvedDevice(rebuild_device, payload, None)
 
 
 @pytest.fixture(scope="module")
@@ -138,9 +145,7 @@ def test_exclusive_raises_where_the_node_declares_no_resource_for_the_gpu(cluste
 
 
 def test_a_gpu_no_node_sees_raises_at_on_naming_every_node(cluster):
-    stranger = gpu_serde.UnresolvedDevice(
-        encode_device(uuid_bytes(OTHER_HOST_GPU), False, 0, 1, "elsewhere", "H200"), None
-    )
+    stranger = placeholder(OTHER_HOST_GPU)
     with pytest.raises(gpu_serde.DeviceNotVisibleError) as info:
         gpu_serde.ray.on(stranger)
     assert info.value.uuid == OTHER_HOST_GPU
