@@ -186,11 +186,12 @@ def test_doctor_shows_which_worker_owns_which_gpu(dask_cluster):
     from gpu_serde import doctor
 
     _, _, uuids, address = dask_cluster
-    reports = {r.name.split(" ")[0]: r for r in doctor.survey_dask(address)}
+    survey = doctor.survey_dask(address)
+    reports = {r.name.split(" ")[0]: r for r in survey.workers}
     for i, uuid in enumerate(uuids):
         assert any(n.startswith(f"owns {uuid} (its device 0)") for n in reports[f"w{i}"].notes)
     assert not any("owns" in n for n in reports["blind"].notes)
-    assert "gpu_serde.dask.on()" in doctor.render(list(reports.values()))
+    assert "gpu_serde.dask.on()" in doctor.render(survey)
 
 
 def test_workers_started_with_the_preload_publish_before_they_register(simulated_gpus):
