@@ -140,6 +140,20 @@ def test_a_memory_resource_routes_to_its_devices_owner(dask_cluster):
     assert gpu_serde.dask.on(mr) == {"resources": {uuids[2]: 1}}
 
 
+def test_a_pool_and_its_buffer_route_to_their_devices_owner(dask_cluster):
+    from cuda.core import DeviceMemoryResource
+
+    _, _, uuids, _ = dask_cluster
+    dev = Device(3)
+    dev.set_current()
+    pool = DeviceMemoryResource(dev)
+    buf = pool.allocate(4096, stream=dev.default_stream)
+    try:
+        assert gpu_serde.dask.on(pool) == gpu_serde.dask.on(buf) == {"resources": {uuids[3]: 1}}
+    finally:
+        buf.close()
+
+
 def test_a_list_on_one_gpu_routes_and_one_on_two_gpus_raises(dask_cluster):
     _, _, uuids, _ = dask_cluster
     assert gpu_serde.dask.on([Device(1), (Device(1))]) == {"resources": {uuids[1]: 1}}
