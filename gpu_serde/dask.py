@@ -29,8 +29,7 @@ from gpu_serde.registry import ensure_installed
 logger = logging.getLogger("gpu_serde.dask")
 
 
-@normalize_token.register(Device)
-def _tokenize_device(dev: Device) -> tuple:
+def _tokenize_device(dev: Device) -> tuple[str, bytes]:
     """Devices hash by UUID, so task keys do not depend on the local ordinal."""
     try:
         uuid = uuid_of(dev.device_id)
@@ -39,17 +38,20 @@ def _tokenize_device(dev: Device) -> tuple:
     return ("cuda.core.Device", uuid_bytes(uuid))
 
 
-@normalize_token.register(Buffer)
-def _tokenize_buffer(buf: Buffer) -> tuple:
+def _tokenize_buffer(buf: Buffer) -> tuple[str, int, int, int]:
     """Buffers hash by address and size: hashing never exports them (which would keep them
     alive for importers that never come)."""
     return ("cuda.core.Buffer", int(buf.handle), buf.size, os.getpid())
 
 
-@normalize_token.register((DeviceMemoryResource, PinnedMemoryResource))
-def _tokenize_pool(mr: DeviceMemoryResource | PinnedMemoryResource) -> tuple:
+def _tokenize_pool(mr: DeviceMemoryResource | PinnedMemoryResource) -> tuple[str, str, int, int]:
     """Pools hash by identity: hashing never exports them."""
     return (type(mr).__name__, str(mr.uuid), id(mr), os.getpid())
+
+
+normalize_token.register(Device)(_tokenize_device)
+normalize_token.register(Buffer)(_tokenize_buffer)
+normalize_token.register((DeviceMemoryResource, PinnedMemoryResource))(_tokenize_pool)
 
 
 def _setup_worker(worker: Any) -> Any:

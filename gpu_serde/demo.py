@@ -11,6 +11,7 @@ workers map, so the buffer step runs there too.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -20,7 +21,7 @@ from typing import Any
 from gpu_serde import demo_routing, testing
 from gpu_serde.inventory import uuid_of
 
-Row = tuple[str, tuple]  # worker name, what _report returned
+Row = tuple[str, tuple[Any, ...]]  # worker name, what _report returned
 Hop = dict[str, Any]  # one buffer hand-off, as _receive returned it plus "from"/"to"
 
 HANDOFF_BYTES = 64 << 20  # the buffer handed from worker to worker
@@ -47,7 +48,7 @@ def _prepare() -> tuple[list[str], bool]:
     return [d.uuid for d in inv.devices], inv.simulated
 
 
-def _report(device: Any) -> tuple:
+def _report(device: Any) -> tuple[Any, ...]:
     """Runs on a worker: what it made of the Device it received."""
     import gpu_serde
 
@@ -155,6 +156,18 @@ def _failed(to: str | None, exc: BaseException) -> Hop:
     return {"from": EXPORTER, "to": to, "error": f"{type(exc).__name__}: {exc}"}
 
 
+def _result(future: Any, left: Callable[[], float]) -> dict[str, Any]:
+    """A Dask receiver's answer, within the time left."""
+    return dict(future.result(timeout=left()))
+
+
+def _ray_result(ref: Any, left: Callable[[], float]) -> dict[str, Any]:
+    """A Ray receiver's answer, within the time left."""
+    import ray
+
+    return dict(ray.get(ref, timeout=left()))
+
+
 def _hop(to: str, get: Callable[[], dict[str, Any]]) -> Hop:
     """A receiver's result as a hop; an exception getting it (timeout, lost worker) as a failure."""
     try:
@@ -249,7 +262,7 @@ def _handoff_dask(
         n: client.submit(_receive, made, workers=[by_name[n]], pure=False)
         for n in _receivers(layout)
     }
-    return [_hop(n, lambda f=f: f.result(timeout=left())) for n, f in checks.items()]
+    return [_hop(n, functools.partial(_result, f, left)) for n, f in checks.items()]
 
 
 def _handoff_ray(layout: dict[str, str], send: Any) -> list[Hop]:
@@ -271,7 +284,7 @@ def _handoff_ray(layout: dict[str, str], send: Any) -> list[Hop]:
         for n in _receivers(layout):
             on_n = check.options(num_gpus=_gpus(layout, n), resources={n: 1})
             checks[n] = on_n.remote(actor.send.remote())
-        return [_hop(n, lambda r=r: ray.get(r, timeout=left())) for n, r in checks.items()]
+        return [_hop(n, functools.partial(_ray_result, r, left)) for n, r in checks.items()]
     finally:
         ray.kill(actor)  # only now: every receiver has checked
 

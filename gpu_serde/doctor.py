@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from gpu_serde.placement import ownership_notes
+from gpu_serde.text import quoted, safe
 
 #: Seconds a Ray node's probe may take (it may start a worker process first).
 PROBE_S = 120.0
@@ -165,7 +166,7 @@ def survey_dask(address: str, timeout: float = 30, expect: int = 0) -> Survey:
     """
     from distributed import Client
 
-    with Client(address, timeout=timeout) as client:  # type: ignore[no-untyped-call]
+    with Client(address, timeout=timeout) as client:
         if expect:
             with contextlib.suppress(TimeoutError):  # reported below: fewer workers than expected
                 client.wait_for_workers(expect, timeout=timeout)
@@ -262,19 +263,26 @@ def survey_ray(
 
 
 def render(survey: Survey) -> str:
-    """The doctor's text: one block per process, problems marked ``!``, a summary line."""
+    """The doctor's text: one block per process, problems marked ``!``, a summary line. What the
+    workers reported (names, hosts, reasons, notes) is escaped: one line per fact."""
     lines = []
     for r in survey.reports:
-        cvd = "unset" if r.cuda_visible_devices is None else repr(r.cuda_visible_devices)
+        cvd = "unset" if r.cuda_visible_devices is None else quoted(r.cuda_visible_devices)
         if r.role == "client":  # the caller: the doctor's own process, or a driver that asked
             state = "gpu_serde " + ("installed" if r.installed else "not installed") + " here"
         else:
-            state = f"gpu_serde {r.version} installed" if r.installed else "gpu_serde NOT installed"
-        lines.append(f"{r.name}: host {r.host}, pid {r.pid}, CUDA_VISIBLE_DEVICES={cvd}, {state}")
-        lines += [f"    {o}  {u}" for o, u in r.gpus] or [f"    no GPU: {r.reason}"]
-        lines += [f"  - {n}" for n in r.notes]
-        lines += [f"  ! {p}" for p in r.problems]
-    lines += [f"! {p}" for p in survey.problems]
+            installed = f"gpu_serde {safe(r.version)} installed"
+            state = installed if r.installed else "gpu_serde NOT installed"
+        lines.append(
+            f"{safe(r.name)}: host {safe(r.host)}, pid {safe(r.pid)}, "
+            f"CUDA_VISIBLE_DEVICES={cvd}, {state}"
+        )
+        lines += [f"    {safe(o)}  {safe(u)}" for o, u in r.gpus] or [
+            f"    no GPU: {safe(r.reason)}"
+        ]
+        lines += [f"  - {safe(n)}" for n in r.notes]
+        lines += [f"  ! {safe(p)}" for p in r.problems]
+    lines += [f"! {safe(p)}" for p in survey.problems]
     bad = sum(bool(r.problems) for r in survey.reports)
     verdict = "OK" if survey.ok else "PROBLEMS"
     lines.append(f"{len(survey.workers)} worker(s), {bad} process(es) with problems: {verdict}")

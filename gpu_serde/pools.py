@@ -176,7 +176,7 @@ def reduce_buffer(buf: Buffer, mr: Pool) -> tuple[Any, ...]:
     return (wire.buf, (handoff.sent_payload(buf, make),))
 
 
-class ImportedMemory(MemoryResource):  # type: ignore[misc]  # cuda.core has no types
+class ImportedMemory(MemoryResource):
     """The memory resource of a buffer received from another process's pool
     (``buf.memory_resource`` on the receiver).
 
