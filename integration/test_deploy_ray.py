@@ -163,4 +163,4 @@ def test_gpu_a_ray_start_node_counts_the_real_gpus_and_the_hooked_driver_sends_t
     got = result_of(done)
     assert got["host"] == host
     assert got["nodes"]["gpu"]["gpus"] == len(host)  # Ray found every real GPU by itself
-    assert_every_node_got_the_same_gpu(got, {"gpu": ",".join(host), "blind": ""})
+    assert_every_node_got_the_same_gpu(got, {"nodes": {"gpu": ",".join(host), "blind": ""}})

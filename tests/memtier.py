@@ -70,9 +70,13 @@ def pattern(size: int) -> np.ndarray:
 
 
 def fill(buf) -> None:
-    """Write the pattern into device (or pinned) memory with cuMemcpyHtoD."""
+    """Write the pattern into device memory with cuMemcpyHtoD, into pinned host memory directly
+    (the real driver refuses cuMemcpyHtoD to a pinned pool's memory: CUDA_ERROR_INVALID_VALUE)."""
     from cuda.bindings import driver
 
+    if buf.is_host_accessible:
+        host_words(buf)[:] = pattern(buf.size)
+        return
     _checked("cuMemcpyHtoD", driver.cuMemcpyHtoD(int(buf.handle), pattern(buf.size), buf.size))
 
 
@@ -90,6 +94,8 @@ def pattern_is_there(buf) -> bool:
     from cuda.bindings import driver
     from cuda.core import Device
 
+    if buf.is_host_accessible:
+        return bool((host_words(buf) == pattern(buf.size)).all())
     Device(max(buf.device_id, 0)).set_current()
     out = np.empty(buf.size // 4, dtype=np.uint32)
     _checked("cuMemcpyDtoH", driver.cuMemcpyDtoH(out, int(buf.handle), buf.size))

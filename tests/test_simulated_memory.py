@@ -1,7 +1,8 @@
 """The simulated driver's memory keeps the real driver's rules, and fails with its error codes.
 
 Driver calls straight through cuda.bindings: an exported descriptor maps the same bytes in another
-process; no self-import; a freed allocation cannot be imported; VMM ranges cannot be mapped twice.
+process; a pool may be imported by its own exporter (as on the real driver); a freed allocation
+cannot be imported; VMM ranges cannot be mapped twice.
 Those run on the real GPU too (``-m gpu``), to check the simulation's error codes against the real
 driver's; the ones whose real behaviour is undefined (an exporter that frees first, a copy from
 memory the driver does not know) run on the simulation only.
@@ -55,15 +56,29 @@ def sim_ctx(simulated_gpus):
     return make_current()
 
 
-@pytest.fixture
-def ipc_pool(ctx):
+def _ipc_pool():
     props = driver.CUmemPoolProps()
     props.allocType = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
     props.handleTypes = driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
     props.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     props.location.id = 0
     props.maxSize = 64 * MiB
-    pool = ok(driver.cuMemPoolCreate(props))
+    return ok(driver.cuMemPoolCreate(props))
+
+
+@pytest.fixture
+def ipc_pool(ctx):
+    pool = _ipc_pool()
+    yield pool
+    driver.cuMemPoolDestroy(pool)
+
+
+@pytest.fixture
+def sim_ipc_pool(sim_ctx):
+    """The same pool on simulated GPUs only. On the H200 (driver 580, 2026-12-03) this raw-driver
+    sequence got CUDA_ERROR_INVALID_VALUE from cuMemPoolExportPointer, cause not found; the same
+    export through cuda.core works there and is covered by test_memory_handoff.py[real]."""
+    pool = _ipc_pool()
     yield pool
     driver.cuMemPoolDestroy(pool)
 
@@ -115,10 +130,10 @@ def alloc_filled(pool, value: int):
     return ptr
 
 
-def test_an_exported_pool_maps_the_same_bytes_in_another_process(ipc_pool):
-    ptr = alloc_filled(ipc_pool, 0xC0FFEE)
+def test_an_exported_pool_maps_the_same_bytes_in_another_process(sim_ipc_pool):
+    ptr = alloc_filled(sim_ipc_pool, 0xC0FFEE)
     data = raw(ok(driver.cuMemPoolExportPointer(ptr)))
-    child = importer(export(ipc_pool), data)
+    child = importer(export(sim_ipc_pool), data)
     first = json.loads(child.stdout.readline())
     ok((driver.cuMemsetD32(ptr, 7, 4)[0], None))  # the importer sees the exporter's writes
     ok((driver.cuCtxSynchronize()[0], None))
@@ -131,18 +146,19 @@ def test_an_exported_pool_maps_the_same_bytes_in_another_process(ipc_pool):
     assert second == {"after": [7] * 4, "free": "CUDA_SUCCESS"}
 
 
-def test_a_pool_cannot_be_imported_by_the_process_that_exported_it(ipc_pool):
+def test_a_pool_can_be_imported_by_the_process_that_exported_it_as_on_the_real_driver(ipc_pool):
     fd_type = driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-    err, _ = driver.cuMemPoolImportFromShareableHandle(export(ipc_pool), fd_type, 0)
-    assert err == R.CUDA_ERROR_INVALID_VALUE
+    err, again = driver.cuMemPoolImportFromShareableHandle(export(ipc_pool), fd_type, 0)
+    assert err == R.CUDA_SUCCESS  # seen on the H200 (driver 580): the driver allows it
+    driver.cuMemPoolDestroy(again)
 
 
-def test_a_freed_allocation_cannot_be_imported(ipc_pool):
-    ptr = alloc_filled(ipc_pool, 1)
+def test_a_freed_allocation_cannot_be_imported(sim_ipc_pool):
+    ptr = alloc_filled(sim_ipc_pool, 1)
     data = raw(ok(driver.cuMemPoolExportPointer(ptr)))
     driver.cuMemFreeAsync(ptr, 0)
     driver.cuCtxSynchronize()
-    child = importer(export(ipc_pool), data)
+    child = importer(export(sim_ipc_pool), data)
     out, _ = child.communicate(timeout=30)
     assert json.loads(out) == {"import": "CUDA_ERROR_INVALID_VALUE"}
 
@@ -199,7 +215,9 @@ def test_a_vmm_range_cannot_be_mapped_twice(ctx):
     handle = ok(driver.cuMemCreate(gran, prop, 0))
     ptr = ok(driver.cuMemAddressReserve(gran, 0, 0, 0))
     assert driver.cuMemMap(ptr, gran, 0, handle, 0)[0] == R.CUDA_SUCCESS
-    assert driver.cuMemMap(ptr, gran, 0, handle, 0)[0] == R.CUDA_ERROR_ALREADY_MAPPED
+    assert (
+        driver.cuMemMap(ptr, gran, 0, handle, 0)[0] == R.CUDA_ERROR_INVALID_VALUE
+    )  # as on the H200
     assert driver.cuMemAddressFree(ptr, gran)[0] == R.CUDA_ERROR_INVALID_VALUE  # still mapped
     for call in (
         driver.cuMemUnmap(ptr, gran),

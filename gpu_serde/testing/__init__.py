@@ -11,7 +11,7 @@ It keeps memory in host memory that other processes can map, enough for cuda.cor
 and without IPC, ``PinnedMemoryResource`` with IPC, ``VirtualMemoryResource`` with ``posix_fd``
 handles, ``cuMemcpy*``, ``cuMemsetD8/16/32*`` and pointer attributes. Each pool is one memfd (each
 VMM allocation too): an exported descriptor maps the same bytes in the importer, and a "device
-pointer" is a host address. It keeps the CUDA rules on imports (no self-import, importers free
+pointer" is a host address. It keeps the CUDA rules on imports (importers free
 first, a destroyed pool's memory is gone) with the driver's error codes; :func:`violations` counts
 exporters that freed first. ``GPU_SERDE_SIM_TRACE=1`` prints every failing call.
 

@@ -8,8 +8,8 @@
  * exported descriptor serve every later cuMemPoolImportPointer, as with the real driver. Freed
  * blocks are punched out of the memfd, so their memory goes back to the system at once.
  *
- * Rules kept: a pointer exported from a pool imports only into that pool's import in another process
- * (no self-import); a destroyed pool lives on until its last allocation is freed, then its memory
+ * Rules kept: a pointer exported from a pool imports only into an import of that pool;
+ * a destroyed pool lives on until its last allocation is freed, then its memory
  * is gone; an import of a freed allocation, or from a destroyed pool, fails with
  * CUDA_ERROR_INVALID_VALUE; an exporter that frees memory that a live importer still holds breaks the
  * CUDA rule (importers free first): the driver counts it, says so on stderr, and the importer's

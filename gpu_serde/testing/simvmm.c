@@ -141,7 +141,8 @@ CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAlloc
     pthread_mutex_lock(&sim_lock);
     struct sim_phys *p = phys_of(h);
     CUresult r = !p ? INVALID_HANDLE : offset + size > p->size ? INVALID_VALUE
-               : !resv_holding(ptr, size) ? INVALID_VALUE : any_mapping_in(ptr, size) ? ALREADY_MAPPED : SUCCESS;
+               : !resv_holding(ptr, size) ? INVALID_VALUE : any_mapping_in(ptr, size) ? INVALID_VALUE : SUCCESS;
+    /* a range mapped twice: CUDA_ERROR_INVALID_VALUE, as the real driver answers (H200, 580) */
     if (!r && mmap((void *)(uintptr_t)ptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, p->fd,
                    (off_t)offset) == MAP_FAILED)
         r = OUT_OF_MEMORY;
