@@ -6,7 +6,8 @@ its own first. After a warm-up, the resident memory and the open descriptors of 
 receiver stay flat, and at the end the sender's broker holds nothing and the pool is empty.
 
 ``GPU_SERDE_SOAK_HANDOFFS`` sets how many hand-offs each engine makes (default: 10,000 through
-multiprocessing and Ray, 2,000 through Dask); each test prints its time per 1,000. Runs on simulated GPUs (CPU tier) and on the real GPU (``-m gpu``).
+each); each test prints its time per 1,000. Runs on simulated GPUs (CPU tier) and on the real GPU
+(``-m gpu``).
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from memtier import held, ray_by_value, short_release_grace, wait_until
 
 import gpu_serde
 
-#: Hand-offs per engine: 10,000 where that takes under a minute on 2 cores; Dask's tasks take about
-#: 20 ms each there, so it makes 2,000 unless GPU_SERDE_SOAK_HANDOFFS says otherwise (for every engine).
-DEFAULTS = {"multiprocessing": 10_000, "ray": 10_000, "dask": 2_000}
+#: Hand-offs per engine: 10,000 each. Dask's take about 17 ms each on 2 cores (about 3 minutes in
+#: all); GPU_SERDE_SOAK_HANDOFFS sets a count for every engine (a shorter run, a longer soak).
+DEFAULTS = {"multiprocessing": 10_000, "ray": 10_000, "dask": 10_000}
 
 
 def handoffs(engine: str) -> int:
