@@ -211,7 +211,11 @@ def test_a_vmm_range_cannot_be_mapped_twice(ctx):
     prop.requestedHandleTypes = (
         driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
     )
-    gran = ok(driver.cuMemGetAllocationGranularity(prop, 0))
+    gran = ok(
+        driver.cuMemGetAllocationGranularity(
+            prop, driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+        )
+    )
     handle = ok(driver.cuMemCreate(gran, prop, 0))
     ptr = ok(driver.cuMemAddressReserve(gran, 0, 0, 0))
     assert driver.cuMemMap(ptr, gran, 0, handle, 0)[0] == R.CUDA_SUCCESS
