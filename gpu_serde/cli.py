@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import sys
@@ -67,7 +68,7 @@ def _doctor(args: argparse.Namespace) -> int:
             )
         else:
             survey = doctor.survey_dask(args.scheduler, timeout=args.timeout, expect=args.expect)
-    except (ConnectionError, OSError, TimeoutError) as exc:
+    except (ConnectionError, OSError, TimeoutError, asyncio.TimeoutError) as exc:  # 3.10: two kinds
         where = args.ray or args.scheduler
         return _fail(f"doctor: cannot reach the cluster at {where}: {exc}")
     if args.json:

@@ -7,6 +7,7 @@ that more than one worker (Dask) or node (Ray) claims, and fewer workers than ex
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import time
@@ -168,7 +169,9 @@ def survey_dask(address: str, timeout: float = 30, expect: int = 0) -> Survey:
 
     with Client(address, timeout=timeout) as client:
         if expect:
-            with contextlib.suppress(TimeoutError):  # reported below: fewer workers than expected
+            # reported below: fewer workers than expected (on Python 3.10, asyncio's TimeoutError
+            # is not the builtin one)
+            with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
                 client.wait_for_workers(expect, timeout=timeout)
         names = {
             a: w.get("name", a) for a, w in client.scheduler_info(n_workers=-1)["workers"].items()

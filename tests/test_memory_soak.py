@@ -48,16 +48,15 @@ def footprint(pid: int) -> tuple[int, int]:
 
 def read_number(buf) -> tuple[int, int]:
     """Runs in the receiver: the number in the buffer's first word, and the receiver's pid."""
-    import numpy as np
     from cuda.bindings import driver
 
     buf = gpu_serde.resolve(buf)
     Device(buf.device_id).set_current()
-    word = np.zeros(1, dtype=np.uint32)
+    word = bytearray(4)  # not a 1-element array: cuda-bindings 13.4 reads that as a scalar pointer
     (err,) = driver.cuMemcpyDtoH(word, int(buf.handle), 4)
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuMemcpyDtoH: {err!r}")
-    return int(word[0]), os.getpid()
+    return int.from_bytes(word, "little"), os.getpid()
 
 
 def serve_numbers(inbox, outbox) -> None:
