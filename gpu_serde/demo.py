@@ -293,21 +293,13 @@ def _run_dask(
     layout: dict[str, str], send: Any, handoff: bool
 ) -> tuple[list[Row], list[Hop] | None]:
     os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")  # quiet workers too
-    from distributed import Client, Nanny, Scheduler, SpecCluster
+    from distributed import Client, SpecCluster
 
     import gpu_serde.dask
 
-    workers = {
-        name: {
-            "cls": Nanny,
-            "options": {"nthreads": 1, "host": "127.0.0.1", "env": {"CUDA_VISIBLE_DEVICES": cvd}},
-        }
-        for name, cvd in layout.items()
-    }
-    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": ":0"}}
     _say(f"Starting a Dask cluster: 1 scheduler, {len(layout)} workers on 127.0.0.1 ...")
     with (
-        SpecCluster(workers=workers, scheduler=scheduler, silence_logs=40) as cluster,
+        SpecCluster(**testing.spec_cluster_options(layout), silence_logs=40) as cluster,
         Client(cluster) as client,
     ):
         gpu_serde.dask.register(client)

@@ -13,12 +13,13 @@ import dask
 import dask.bag as db
 import pytest
 from cuda.core import Device
-from distributed import Client, Nanny, Scheduler, SpecCluster
+from distributed import Client, SpecCluster
 
 import gpu_serde
 import gpu_serde.dask
 from gpu_serde import UnresolvedDevice
 from gpu_serde.device import reduce_device
+from gpu_serde.testing import spec_cluster_options
 from gpu_serde.testing.clusters import dask_cli_cluster
 from helpers import env_without_driver
 
@@ -37,17 +38,7 @@ def rotations(uuids: list[str]) -> dict[str, str]:
 
 
 def spec_cluster(env_by_name: dict[str, str]):
-    workers = {
-        name: {
-            "cls": Nanny,
-            "options": {"nthreads": 1, "host": "127.0.0.1", "env": {"CUDA_VISIBLE_DEVICES": cvd}},
-        }
-        for name, cvd in env_by_name.items()
-    }
-    cluster = SpecCluster(
-        workers=workers,
-        scheduler={"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": ":0"}},
-    )
+    cluster = SpecCluster(**spec_cluster_options(env_by_name))
     client = Client(cluster)
     gpu_serde.dask.register(client)
     return client, cluster.close

@@ -14,6 +14,7 @@ import pytest
 from cuda.core import Device, DeviceMemoryResource
 
 import gpu_serde
+from gpu_serde.testing import spec_cluster_options
 
 pytestmark = pytest.mark.gpu
 
@@ -34,22 +35,14 @@ def use(device) -> tuple:
 
 
 def test_a_routed_dask_task_uses_the_real_gpu_on_its_owner(installed):
-    from distributed import Client, Nanny, Scheduler, SpecCluster, get_worker
+    from distributed import Client, SpecCluster, get_worker
 
     import gpu_serde.dask
 
     Device(0).set_current()  # the pool below needs a current context
     uuid = installed[0].uuid
     layout = {"gpu": uuid, "blind": ""}
-    workers = {
-        name: {
-            "cls": Nanny,
-            "options": {"nthreads": 1, "host": "127.0.0.1", "env": {"CUDA_VISIBLE_DEVICES": cvd}},
-        }
-        for name, cvd in layout.items()
-    }
-    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": ":0"}}
-    with SpecCluster(workers=workers, scheduler=scheduler) as cluster, Client(cluster) as client:
+    with SpecCluster(**spec_cluster_options(layout)) as cluster, Client(cluster) as client:
         gpu_serde.dask.register(client)
         client.wait_for_workers(len(layout), timeout=120)
         deadline = time.monotonic() + 60  # a worker that joined after register() publishes after

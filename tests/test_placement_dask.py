@@ -10,13 +10,14 @@ import time
 import dask
 import pytest
 from cuda.core import Device
-from distributed import Client, Nanny, Scheduler, SpecCluster, get_worker
+from distributed import Client, SpecCluster, get_worker
 from doc_blocks import python_blocks, run_block
 
 import gpu_serde
 import gpu_serde.dask
 from gpu_serde.identity import uuid_bytes
 from gpu_serde.payload import encode_device
+from gpu_serde.testing import spec_cluster_options
 from gpu_serde.wire import dev as rebuild_device
 
 pytest.importorskip("markdown_it", reason="the docs extra reads the README's code blocks")
@@ -40,15 +41,8 @@ def layout(uuids: list[str]) -> dict[str, str]:
 def dask_cluster(simulated_gpus):
     uuids = [g.uuid for g in simulated_gpus]
     env = layout(uuids)
-    workers = {
-        name: {
-            "cls": Nanny,
-            "options": {"nthreads": 2, "host": "127.0.0.1", "env": {"CUDA_VISIBLE_DEVICES": cvd}},
-        }
-        for name, cvd in env.items()
-    }
-    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": ":0"}}
-    with SpecCluster(workers=workers, scheduler=scheduler) as cluster, Client(cluster) as client:
+    options = spec_cluster_options(env, nthreads=2)
+    with SpecCluster(**options) as cluster, Client(cluster) as client:
         gpu_serde.dask.register(client)
         client.wait_for_workers(len(env), timeout=120)
         deadline = (

@@ -40,6 +40,7 @@ import uuid as _uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "SimulatedDriverError",
@@ -49,6 +50,7 @@ __all__ = [
     "driver_dir",
     "make_gpus",
     "real_driver_present",
+    "spec_cluster_options",
     "violations",
 ]
 
@@ -258,3 +260,27 @@ def violations() -> int:
         raise SimulatedDriverError("the simulated driver is not loaded in this process") from None
     count.restype = ctypes.c_long
     return int(count())
+
+
+def spec_cluster_options(
+    layout: Mapping[str, str], *, nthreads: int = 1, host: str = "127.0.0.1"
+) -> dict[str, Any]:
+    """Keyword arguments for ``distributed.SpecCluster``: one ``Nanny`` worker per entry of
+    ``layout`` (worker name -> its ``CUDA_VISIBLE_DEVICES``), and a scheduler, all on ``host``
+    (loopback by default), the dashboard on a free port. Workers that see the GPUs in different
+    orders are what gpu_serde is tested with.
+
+    Raises:
+        ImportError: distributed is not installed (``pip install 'gpu-serde[dask]'``).
+    """
+    from distributed import Nanny, Scheduler  # only for those who start a Dask cluster
+
+    workers = {
+        name: {
+            "cls": Nanny,
+            "options": {"nthreads": nthreads, "host": host, "env": {"CUDA_VISIBLE_DEVICES": cvd}},
+        }
+        for name, cvd in layout.items()
+    }
+    scheduler = {"cls": Scheduler, "options": {"host": host, "dashboard_address": ":0"}}
+    return {"workers": workers, "scheduler": scheduler}
