@@ -1,6 +1,7 @@
 """The hand-off core shared by every kind of memory that crosses processes (pools, VMM).
 
-- the host check: memory crosses processes only on the host that exported it (kernel ``boot_id``);
+- the host check: memory crosses processes only on the host that exported it (its host identity,
+  the kernel ``boot_id`` unless ``GPU_SERDE_HOST_ID`` says otherwise: :mod:`gpu_serde.hostid`);
 - what was sent: the payload a buffer was sent with, kept while its exporter holds it, so that
   sending it again costs nothing;
 - what was received: an imported object is forwarded as it came, and its exporter is told once it
@@ -21,7 +22,6 @@ import os
 import queue
 import threading
 import time
-import uuid as _uuid
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -32,6 +32,7 @@ from cuda.core import Buffer, Device
 from gpu_serde import broker as _broker
 from gpu_serde import inventory as _inventory
 from gpu_serde.errors import HandoffError, OtherHostError
+from gpu_serde.hostid import HOST_ID
 from gpu_serde.text import quoted
 
 #: Seconds the exporter still keeps a buffer after its last importer released it, so that a hop
@@ -40,12 +41,9 @@ from gpu_serde.text import quoted
 RELEASE_GRACE_S = float(os.environ.get("GPU_SERDE_RELEASE_GRACE_S", "5"))
 
 
-def _boot_id() -> bytes:
-    with open("/proc/sys/kernel/random/boot_id") as f:
-        return _uuid.UUID(f.read().strip()).bytes
-
-
-BOOT_ID = _boot_id()
+#: This process's host identity, which payloads carry (the kernel's ``boot_id``, or the one
+#: ``GPU_SERDE_HOST_ID`` gives: :mod:`gpu_serde.hostid`).
+BOOT_ID = HOST_ID
 
 lock = threading.RLock()  # guards what was sent and what was imported, in every memory module
 _sent: weakref.WeakKeyDictionary[Any, tuple[bytes, tuple[Any, ...]]] = weakref.WeakKeyDictionary()

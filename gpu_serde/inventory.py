@@ -12,6 +12,7 @@ import socket
 import threading
 from dataclasses import dataclass, field
 
+from gpu_serde.hostid import describe_host
 from gpu_serde.identity import (
     DeviceInfo,
     canonical_uuid,
@@ -77,7 +78,7 @@ def set_role(text: str) -> None:
 
 
 def _hostname() -> str:
-    return socket.gethostname()
+    return describe_host(socket.gethostname())
 
 
 def _is_simulated() -> bool:
