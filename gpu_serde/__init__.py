@@ -5,10 +5,11 @@ Public names::
     install(strict=False) / uninstall()   pickle cuda.core objects by UUID in this process
     visible_devices()                     the GPUs this process sees (DeviceInfo list)
     resolve(obj)                          a received object, or its typed error
+    portable(buf)                         a Buffer that reaches any host (mapped, or a copy)
     DeviceInfo, UnresolvedDevice, UnresolvedObject, canonical_uuid
     DeviceNotVisibleError, PayloadError, CompatibilityError, PlacementError
     HandoffError and its kinds: OtherHostError, ExporterGoneError, TokenRefusedError,
-    NotIPCEnabledError (memory hand-off)
+    NotIPCEnabledError, HostCopyError (memory hand-off)
 
 Engine adapters live in :mod:`gpu_serde.ray` and :mod:`gpu_serde.dask`; simulated GPUs for
 CPU-only tests in :mod:`gpu_serde.testing`. ``docs/how-it-works.md`` shows the modules.
@@ -21,12 +22,14 @@ from gpu_serde.errors import (
     DeviceNotVisibleError,
     ExporterGoneError,
     HandoffError,
+    HostCopyError,
     NotIPCEnabledError,
     OtherHostError,
     PayloadError,
     PlacementError,
     TokenRefusedError,
 )
+from gpu_serde.hostcopy import PortableBuffer, portable
 from gpu_serde.identity import DeviceInfo, canonical_uuid
 from gpu_serde.inventory import visible_devices
 from gpu_serde.placeholders import UnresolvedDevice, UnresolvedObject, resolve
@@ -38,16 +41,19 @@ __all__ = [
     "DeviceNotVisibleError",
     "ExporterGoneError",
     "HandoffError",
+    "HostCopyError",
     "NotIPCEnabledError",
     "OtherHostError",
     "PayloadError",
     "PlacementError",
+    "PortableBuffer",
     "TokenRefusedError",
     "UnresolvedDevice",
     "UnresolvedObject",
     "__version__",
     "canonical_uuid",
     "install",
+    "portable",
     "resolve",
     "uninstall",
     "visible_devices",

@@ -231,12 +231,15 @@ def acquire(address: str, token: bytes, *, timeout: float = 1.0) -> None:
         )
 
 
-def release(address: str, token: bytes, *, timeout: float = 1.0) -> bool:
+def release(address: str, token: bytes, *, timeout: float = 1.0, gone: bool = False) -> bool:
     """Tell the exporter one importer let go of the object held under ``token``; True if the
-    exporter counted it. Never raises for a vanished exporter (nothing is left to release)."""
+    exporter counted it. Never raises for a vanished exporter (nothing is left to release),
+    unless ``gone`` asks for its :class:`~gpu_serde.ExporterGoneError`."""
     try:
         msg, fds = _request(address, RELEASE, token, timeout)
     except ExporterGoneError:
+        if gone:
+            raise
         return False
     for fd in fds:
         os.close(fd)

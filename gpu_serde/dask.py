@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from cuda.core import Buffer, Device, DeviceMemoryResource, PinnedMemoryResource
 from dask.tokenize import normalize_token
 from distributed.diagnostics.plugin import WorkerPlugin
 
+from gpu_serde import dask_transfer
 from gpu_serde.dask_placement import on as on
 from gpu_serde.dask_placement import publish
 from gpu_serde.identity import uuid_bytes
@@ -54,37 +56,56 @@ normalize_token.register(Buffer)(_tokenize_buffer)
 normalize_token.register((DeviceMemoryResource, PinnedMemoryResource))(_tokenize_pool)
 
 
-def _setup_worker(worker: Any) -> Any:
+def _worker_alive(worker: Any) -> Callable[[], bool]:
+    return lambda: worker.status.name not in ("closing", "closed", "closing_gracefully", "failed")
+
+
+async def _setup_worker(worker: Any) -> None:
     ensure_installed("Dask")
     set_role(f"dask worker {worker.address}")
     inv = inventory()
     logger.debug(
         "gpu_serde: dask worker %s pid %d:\n%s", worker.address, os.getpid(), inv.describe()
     )
-    return publish(worker)  # its own GPU as a resource, for on()
+    dask_transfer.mark(worker.connection_args)  # its host, to the peers it asks for data
+    published = publish(worker)  # its own GPU as a resource, for on()
+    if published is not None:
+        await published
+    await dask_transfer.join(worker.scheduler, worker.address)
+    dask_transfer.start_following(worker.scheduler, _worker_alive(worker))
 
 
 class GPUSerdePlugin(WorkerPlugin):
     """Distributed ``WorkerPlugin`` that installs gpu_serde on a worker.
 
-    ``setup`` installs the reducers, warms the GPU inventory and names the worker in error
-    messages. It is idempotent (registering it again is a no-op) and has the fixed name
-    ``"gpu_serde"``.
+    ``setup`` installs the reducers, warms the GPU inventory, names the worker in error
+    messages, publishes the worker's own GPU (for :func:`on`) and its host (so that buffers reach
+    it mapped from its own host and by value from others: :mod:`gpu_serde.dask_transfer`). It is
+    idempotent (registering it again is a no-op) and has the fixed name ``"gpu_serde"``.
     """
 
     idempotent = True
     name = "gpu_serde"
 
-    def setup(self, worker: Any) -> Any:
-        """Install gpu_serde in ``worker``'s process."""
-        return _setup_worker(worker)
+    async def setup(self, worker: Any) -> None:
+        """Install gpu_serde in ``worker``'s process and publish what it has."""
+        await _setup_worker(worker)
+
+    async def teardown(self, worker: Any) -> None:
+        """Withdraw the worker's host from the cluster's table."""
+        await dask_transfer.leave(worker.scheduler, worker.address)
 
 
-def register(client: Any) -> None:
-    """Install gpu_serde in this process and on every current and future worker of ``client``.
+def register(client: Any) -> Awaitable[None] | None:
+    """Install gpu_serde in this process and on every current and future worker of ``client``,
+    and publish this process's host to the cluster (buffers it scatters or gathers then travel
+    mapped on its host and by value beyond it).
 
     Args:
         client: a connected ``distributed.Client``.
+
+    Returns:
+        None; for an asynchronous client, an awaitable to await.
 
     Raises:
         TypeError: ``client`` is not a ``distributed.Client``.
@@ -97,15 +118,31 @@ def register(client: Any) -> None:
         )
     ensure_installed("Dask")
     set_role("dask client")
+    dask_transfer.mark(client.connection_args)
+    if client.asynchronous:
+        return _register_async(client)
     client.register_plugin(GPUSerdePlugin())
+    client.sync(_join_client, client)
+    return None
 
 
-def dask_setup(service: Any) -> Any:
+async def _join_client(client: Any) -> None:
+    await dask_transfer.join(client.scheduler, f"client {client.id}")
+    alive = lambda: client.status not in ("closing", "closed")  # noqa: E731
+    dask_transfer.start_following(client.scheduler, alive)
+
+
+async def _register_async(client: Any) -> None:
+    await client.register_plugin(GPUSerdePlugin())
+    await _join_client(client)
+
+
+async def dask_setup(service: Any) -> None:
     """Preload hook: ``dask worker --preload gpu_serde.dask`` / ``dask scheduler --preload ...``."""
     from distributed import Worker
 
     if isinstance(service, Worker):
-        return _setup_worker(service)
+        await _setup_worker(service)
     else:
         ensure_installed("Dask")
         set_role(f"dask {type(service).__name__.lower()} {getattr(service, 'address', '')}")

@@ -60,6 +60,11 @@ class OtherHostError(HandoffError):
     """GPU memory sent to a process on another host (memory crosses processes only on its host)."""
 
 
+class HostCopyError(HandoffError):
+    """A buffer could not be copied to host memory to travel to another host: the copy does not
+    fit in the host's available memory, or the driver refused the copy."""
+
+
 class CompatibilityError(RuntimeError):
     """An installed library (cuda.core, Python's multiprocessing) lacks a private name that
     gpu_serde needs; the message names it and the versions known to work."""

@@ -31,8 +31,8 @@ from cuda.core import Buffer, Device
 
 from gpu_serde import broker as _broker
 from gpu_serde import inventory as _inventory
-from gpu_serde.errors import HandoffError, OtherHostError
-from gpu_serde.hostid import HOST_ID
+from gpu_serde.errors import ExporterGoneError, HandoffError, OtherHostError
+from gpu_serde.hostid import host_id
 from gpu_serde.text import quoted
 
 #: Seconds the exporter still keeps a buffer after its last importer released it, so that a hop
@@ -41,9 +41,11 @@ from gpu_serde.text import quoted
 RELEASE_GRACE_S = float(os.environ.get("GPU_SERDE_RELEASE_GRACE_S", "5"))
 
 
-#: This process's host identity, which payloads carry (the kernel's ``boot_id``, or the one
-#: ``GPU_SERDE_HOST_ID`` gives: :mod:`gpu_serde.hostid`).
-BOOT_ID = HOST_ID
+def __getattr__(name: str) -> bytes:
+    if name == "BOOT_ID":  # the name earlier releases had: the host identity, read on first use
+        return host_id()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 lock = threading.RLock()  # guards what was sent and what was imported, in every memory module
 _sent: weakref.WeakKeyDictionary[Any, tuple[bytes, tuple[Any, ...]]] = weakref.WeakKeyDictionary()
@@ -51,14 +53,18 @@ _origin: dict[int, tuple[Any, ...]] = {}  # id(imported object) -> the reduction
 
 
 def check_host(boot: bytes, what: str) -> None:
-    """Raise :class:`OtherHostError` unless ``boot`` is this host's ``boot_id``. ``what`` names
+    """Raise :class:`OtherHostError` unless ``boot`` is this host's identity. ``what`` names
     the memory and where it came from; the caller escapes the wire text in it
     (:func:`gpu_serde.text.quoted`)."""
-    if boot != BOOT_ID:
+    if boot != host_id():
         raise OtherHostError(
             f"{what} reached host {quoted(_inventory.inventory().host)}, another host: GPU "
-            "memory crosses processes only on the host that exported it. Copy it to host memory "
-            "first, or run this work on that host."
+            "memory is mapped only on the host that exported it, and this was sent to be mapped. "
+            "To reach other hosts, send the buffer wrapped in gpu_serde.portable(buf), which "
+            "carries a copy (Ray tasks, actors and ray.put; Dask task arguments; multiprocessing); "
+            "Dask sends buffers that are task results or scattered data by value to other hosts "
+            "by itself (return it from a task, or client.scatter it, instead of passing it inside "
+            "a task's arguments). Or run this work on the exporter's host."
         )
 
 
@@ -109,6 +115,15 @@ def sent_payload(buf: Buffer, make: Callable[[], tuple[bytes, tuple[Any, ...]]])
 def forwarded(obj: object) -> tuple[Any, ...] | None:
     """The reduction an imported object came with (it travels on as it came), or None."""
     return _origin.get(id(obj))
+
+
+def forward_as(obj: object, reduction: tuple[Any, ...]) -> None:
+    """Forward ``obj`` as ``reduction`` while it lives (replacing how it came, if it was
+    imported: a portable buffer stays portable when a hop passes it on)."""
+    new = id(obj) not in _origin
+    _origin[id(obj)] = reduction
+    if new:
+        weakref.finalize(obj, _origin.pop, id(obj), None)
 
 
 def remember(obj: object, reduction: tuple[Any, ...]) -> None:
@@ -247,12 +262,19 @@ def _flush_all() -> None:
             items.append(_releases.get_nowait())
         except queue.Empty:
             break
+    gone: set[str] = set()  # exporters that did not answer: exiting too, or gone
     for event, address, token, _ in items:
         with contextlib.suppress(Exception):
             if event is not None and event is not WHOLE_DEVICE:
                 event.sync()  # a buffer closed on a stream just before exit
-        with contextlib.suppress(Exception):
-            _broker.release(address, token, timeout=0.5)
+        if address in gone:
+            continue
+        try:
+            _broker.release(address, token, timeout=0.5, gone=True)
+        except ExporterGoneError:
+            gone.add(address)
+        except Exception:
+            pass
 
 
 def _after_fork_in_child() -> None:

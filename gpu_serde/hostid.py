@@ -9,8 +9,9 @@ process of one boot of one machine, whatever container or user it runs in.
 the label: processes with the same label are one "host", with different labels different hosts,
 even on one machine. It is a test seam (the CPU tier puts "remote" Ray nodes and Dask workers on
 one machine this way), and a switch for a deployment where processes of one boot must not map
-each other's memory. Set it before the process starts; it is read once, at import. A label is 1
-to 64 characters of ``A-Z a-z 0-9 . _ : -``.
+each other's memory. It is read once, when the identity is first needed (not at import: a Dask
+Nanny sets its worker's environment after the worker process imported the driver script's
+modules). A label is 1 to 64 characters of ``A-Z a-z 0-9 . _ : -``.
 """
 
 from __future__ import annotations
@@ -44,17 +45,32 @@ def label_identity(label: str) -> bytes:
     return _uuid.uuid5(_NAMESPACE, label).bytes
 
 
-def _identity() -> tuple[bytes, str]:
-    label = os.environ.get(HOST_ENV)
-    if label is None:
-        return _boot_id(), ""
-    return label_identity(label), label
+_identity: tuple[bytes, str] | None = None
 
 
-#: This process's host identity (16 bytes): the boot id, or the one ``GPU_SERDE_HOST_ID`` gives.
-HOST_ID, LABEL = _identity()
+def _read() -> tuple[bytes, str]:
+    global _identity
+    if _identity is None:
+        label = os.environ.get(HOST_ENV)
+        _identity = (_boot_id(), "") if label is None else (label_identity(label), label)
+    return _identity
+
+
+def host_id() -> bytes:
+    """This process's host identity (16 bytes): the boot id, or the one ``GPU_SERDE_HOST_ID``
+    gives. Read once, on first use.
+
+    Raises:
+        ValueError: ``GPU_SERDE_HOST_ID`` is set to something that is not a host label.
+    """
+    return _read()[0]
+
+
+def label() -> str:
+    """This process's ``GPU_SERDE_HOST_ID`` label, or ``""`` when it has none."""
+    return _read()[1]
 
 
 def describe_host(name: str) -> str:
     """``name`` (a host name) with this process's ``GPU_SERDE_HOST_ID`` label, if one is set."""
-    return f"{name} ({HOST_ENV}={LABEL})" if LABEL else name
+    return f"{name} ({HOST_ENV}={label()})" if label() else name

@@ -10,6 +10,11 @@ in wire order::
               addr_hint, addr_align, peers (device payloads), self_access, peer_access)
     vmm      (1, device payload | None (host memory), options)
     vbuf     (1, vmm, boot_id, broker address, hold token, size, descriptor token)
+    hbuf     (1, device payload | None (pinned host memory), size, bytes (any contiguous
+              bytes-like object of that size: a pickle-5 out-of-band buffer arrives as one))
+    pbuf     (1, zero-copy kind ("buf", "vbuf") | None, its payload | None, hbuf payload)
+    unsent   (1, what (str), error type name (str), message (str)): an object its sender could
+              not send, as a Dask serializer reports it (text of at most 4000 characters each)
 
 Every validator raises :class:`~gpu_serde.PayloadError` for anything else.
 """
@@ -23,6 +28,7 @@ from gpu_serde.payload import VERSION, fail, validate_device, version_error
 ADDRESS_MAX = 100
 IPC_DESCRIPTOR_BYTES = 64  # cuMemPoolExportPointer's opaque data: the driver reads all 64
 MAX_PEERS = 64
+ZERO_COPY_KINDS = ("buf", "vbuf")  # what a portable buffer's zero-copy part may be
 _OPTION_TEXT = 32  # longest enum value accepted in VMM options
 _WORD = range(1, _OPTION_TEXT + 1)
 
@@ -242,3 +248,82 @@ def decode_vbuf(p: object) -> VbufPayload:
     if not _id16(hold) or not _id16(fd_token):
         raise fail("the tokens must be 16 bytes each", p)
     return VbufPayload(VERSION, resource, boot, address, hold, size, fd_token)
+
+
+class HostCopyPayload(NamedTuple):
+    """A buffer sent by value: its GPU (None: pinned host memory), size and bytes."""
+
+    version: int
+    device: bytes | None
+    size: int
+    data: Any
+
+    def wire(self) -> tuple[Any, ...]:
+        """The plain tuple that travels."""
+        return tuple(self)
+
+
+class PortablePayload(NamedTuple):
+    """A portable buffer: the zero-copy payload (kind and payload, or None) and a host copy."""
+
+    version: int
+    kind: str | None
+    inner: Any
+    copy: HostCopyPayload
+
+
+def decode_hbuf(p: object) -> HostCopyPayload:
+    """Validate a host-copy payload.
+
+    Raises:
+        PayloadError: anything but a well-formed host copy of this version, or bytes that are
+            not a contiguous buffer of the stated size.
+    """
+    _, dev, size, data = _fields("host copy", p, 4)
+    if dev is not None:
+        validate_device(dev)
+    if type(size) is not int or not 0 < size < 1 << 62:
+        raise fail("the size must be a positive int", p)
+    try:
+        with memoryview(data) as view:
+            ok = view.c_contiguous and view.nbytes == size
+    except Exception:
+        ok = False
+    if not ok:
+        raise fail(f"the data must be a contiguous bytes-like object of {size} bytes", p)
+    return HostCopyPayload(VERSION, dev, size, data)
+
+
+def decode_pbuf(p: object) -> PortablePayload:
+    """Validate a portable-buffer payload (its zero-copy part is checked when it is rebuilt).
+
+    Raises:
+        PayloadError: anything else.
+    """
+    _, kind, inner, copy = _fields("portable buffer", p, 4)
+    if (kind is None) != (inner is None) or kind not in (None, *ZERO_COPY_KINDS):
+        raise fail(
+            f"the zero-copy kind must be one of {ZERO_COPY_KINDS} with its payload, or None", p
+        )
+    return PortablePayload(VERSION, kind, inner, decode_hbuf(copy))
+
+
+class UnsentPayload(NamedTuple):
+    """What the sender could not send, and why (the typed error's name and message)."""
+
+    version: int
+    what: str
+    error: str
+    message: str
+
+
+def decode_unsent(p: object) -> UnsentPayload:
+    """Validate an unsent-object payload.
+
+    Raises:
+        PayloadError: anything else.
+    """
+    _, what, error, message = _fields("unsent object", p, 4)
+    if not all(type(t) is str and len(t) <= 4000 for t in (what, error, message)):
+        raise fail("an unsent object payload holds three strings of at most 4000 characters", p)
+    return UnsentPayload(VERSION, what, error, message)

@@ -182,6 +182,16 @@ def define(
     _kinds[reconstructor] = Kind(name, body, fallback, describe)
 
 
+def body(reconstructor: Reconstructor) -> Callable[[object], Any]:
+    """The rebuild body that :func:`define` named for ``reconstructor``, unguarded: it raises the
+    typed error instead of giving a placeholder (for a payload that nests another).
+
+    Raises:
+        KeyError: nothing was defined for it.
+    """
+    return _kinds[reconstructor].body
+
+
 def _typed(kind: Kind, exc: Exception) -> Exception:
     if isinstance(exc, TYPED):
         return exc

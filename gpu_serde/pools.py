@@ -32,6 +32,7 @@ from gpu_serde import compat, handoff, wire
 from gpu_serde import inventory as _inventory
 from gpu_serde.device import device_payload
 from gpu_serde.errors import HandoffError, NotIPCEnabledError
+from gpu_serde.hostid import host_id
 from gpu_serde.memory_payload import BufferPayload, PoolPayload, decode_buffer, decode_pool
 from gpu_serde.payload import VERSION, decode_device
 from gpu_serde.placeholders import define, not_visible_error
@@ -79,7 +80,7 @@ def pool_payload(mr: Pool) -> tuple[Any, ...]:
             dev = device_payload(Device(mr.device_id)) if kind is DeviceMemoryResource else None
             b = _broker.broker()
             token = b.offer(int(mr.allocation_handle))
-            p = PoolPayload(VERSION, dev, handoff.BOOT_ID, b.address, token, pool)
+            p = PoolPayload(VERSION, dev, host_id(), b.address, token, pool)
             sent = _exported[pool] = (p, p.wire())
             _exported_pools[pool] = mr
     return sent[1]

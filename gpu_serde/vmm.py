@@ -26,6 +26,7 @@ from gpu_serde import handoff, wire
 from gpu_serde import inventory as _inventory
 from gpu_serde.device import device_payload
 from gpu_serde.errors import HandoffError, NotIPCEnabledError, PayloadError
+from gpu_serde.hostid import host_id
 from gpu_serde.memory_payload import (
     MAX_PEERS,
     OptionsPayload,
@@ -310,7 +311,7 @@ def reduce_buffer(buf: Buffer, mr: VirtualMemoryResource) -> tuple[Any, ...]:
         except Exception:
             b.revoke(fd_token)
             raise
-        p = VbufPayload(VERSION, res, handoff.BOOT_ID, b.address, hold, buf.size, fd_token)
+        p = VbufPayload(VERSION, res, host_id(), b.address, hold, buf.size, fd_token)
         return hold, p.wire()
 
     return (wire.vbuf, (handoff.sent_payload(buf, make),))

@@ -51,3 +51,21 @@ def vmm(*payload: Any) -> Any:
 def vbuf(*payload: Any) -> Any:
     """A ``VirtualMemoryResource`` buffer mapped here without a copy, or an ``UnresolvedObject``."""
     return rebuild(vbuf, payload)
+
+
+def hbuf(*payload: Any) -> Any:
+    """A ``Buffer`` sent by value (a host copy of its bytes): a new buffer here, on the same GPU if
+    this process sees it, or an ``UnresolvedObject``."""
+    return rebuild(hbuf, payload)
+
+
+def pbuf(*payload: Any) -> Any:
+    """A portable ``Buffer`` (``gpu_serde.portable``): the exporter's memory mapped on its host,
+    the host copy uploaded elsewhere, or an ``UnresolvedObject``."""
+    return rebuild(pbuf, payload)
+
+
+def unsent(*payload: Any) -> Any:
+    """An object its sender could not send (a Dask serializer cannot raise without losing the
+    receiver): an ``UnresolvedObject`` that raises the sender's typed error when used."""
+    return rebuild(unsent, payload)

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpu_serde.hostid import HOST_ENV
+
 __all__ = [
     "SimulatedDriverError",
     "SimulatedGPU",
@@ -262,13 +264,28 @@ def violations() -> int:
     return int(count())
 
 
+def _worker_env(name: str, cvd: str, hosts: Mapping[str, str] | None) -> dict[str, str]:
+    env = {"CUDA_VISIBLE_DEVICES": cvd}
+    if hosts and name in hosts:
+        env[HOST_ENV] = hosts[name]
+    return env
+
+
 def spec_cluster_options(
-    layout: Mapping[str, str], *, nthreads: int = 1, host: str = "127.0.0.1"
+    layout: Mapping[str, str],
+    *,
+    nthreads: int = 1,
+    host: str = "127.0.0.1",
+    hosts: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments for ``distributed.SpecCluster``: one ``Nanny`` worker per entry of
     ``layout`` (worker name -> its ``CUDA_VISIBLE_DEVICES``), and a scheduler, all on ``host``
     (loopback by default), the dashboard on a free port. Workers that see the GPUs in different
     orders are what gpu_serde is tested with.
+
+    ``hosts`` (worker name -> a host label) puts workers on other "hosts" on this one machine:
+    each named worker gets ``GPU_SERDE_HOST_ID=<label>`` (:mod:`gpu_serde.hostid`), so GPU memory
+    reaches it as it would reach another machine (by value, not mapped).
 
     Raises:
         ImportError: distributed is not installed (``pip install 'gpu-serde[dask]'``).
@@ -278,7 +295,7 @@ def spec_cluster_options(
     workers = {
         name: {
             "cls": Nanny,
-            "options": {"nthreads": nthreads, "host": host, "env": {"CUDA_VISIBLE_DEVICES": cvd}},
+            "options": {"nthreads": nthreads, "host": host, "env": _worker_env(name, cvd, hosts)},
         }
         for name, cvd in layout.items()
     }

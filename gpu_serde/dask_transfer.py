@@ -1,0 +1,278 @@
+"""Dask: a ``Buffer`` that is a task result or scattered data reaches any worker, mapped without a
+copy on its exporter's host and by value beyond it.
+
+distributed serializes data (a result that another worker fetches, scattered data, a result a
+client gathers) with its serializer families, and passes the ``dask`` family the comm's
+``context``, whose ``"recipient"`` describes the peer. gpu_serde registers a ``dask`` serializer
+for ``cuda.core.Buffer`` that picks, for each send, how the buffer travels:
+
+- to a process on this host: the zero-copy payload (as pickling gives it: :mod:`gpu_serde.pools`,
+  :mod:`gpu_serde.vmm`);
+- to a process on another host: a host copy (:mod:`gpu_serde.hostcopy`), uploaded there to a pool
+  of the receiver's own, on the same GPU if it sees it;
+- to a process whose host is not known (a scheduler that forwards the bytes to a worker or client
+  of its choosing, a process without gpu_serde): both, the receiver maps or uploads, unless every
+  gpu_serde process of the cluster is on this host (then zero copy).
+
+A buffer whose memory cannot be shared (not from an IPC-enabled pool) travels by value everywhere.
+
+**Where a peer is.** Two sources, both filled by gpu_serde itself:
+
+- *the handshake*: the connections that gpu_serde's workers and registered clients open carry
+  their host identity (:mod:`gpu_serde.hostid`) in the comm handshake
+  (``handshake_overrides``, an argument of ``distributed.comm.connect`` that distributed's own
+  scheduler uses the same way, set through the worker's or client's ``connection_args``). A
+  worker that answers a request (a peer fetching a result, a client gathering directly) reads the
+  requester's host from the comm.
+- *the cluster's table*: each worker and registered client publishes its host identity in the
+  scheduler's metadata (``gpu_serde-hosts``) and follows the table (every :data:`REFRESH_S`). It
+  places a peer reached at its listening address (a client scattering directly to a worker), and
+  says whether the cluster is on one host. In a cluster of several hosts, a process that joins
+  waits :data:`REFRESH_S` before it takes work, so that every process knows of its host first.
+
+A buffer nested in another object (a task argument, a dataclass) is pickled, not serialized here:
+it travels by its zero-copy payload, which cannot be mapped on another host (``OtherHostError``
+when used there). Scatter it, return it from a task, or wrap it in :func:`gpu_serde.portable`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import pickle
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from cuda.core import Buffer
+from distributed.protocol.serialize import dask_deserialize, dask_serialize
+
+from gpu_serde import handled, hostcopy, wire
+from gpu_serde.errors import NotIPCEnabledError, PayloadError
+from gpu_serde.hostid import host_id
+from gpu_serde.placeholders import UnresolvedObject
+from gpu_serde.text import safe
+
+logger = logging.getLogger("gpu_serde.dask")
+
+#: The handshake entry (and the comm ``context``'s) that names a peer's host identity.
+HANDSHAKE_KEY = "gpu_serde-host"
+#: The scheduler metadata key under which processes publish their host identities.
+TABLE_KEY = "gpu_serde-hosts"
+#: Seconds between two reads of the cluster's table by a worker or a registered client.
+REFRESH_S = 2.0
+#: How a buffer was sent, as the serializer's header says: zero copy, by value, both, or not at
+#: all (its error, raised where it is used).
+SENT = ("ipc", "copy", "both", "unsent")
+FORMAT = 1  # the header's "gpu_serde" entry
+
+
+class HostTable:
+    """The host identities of a cluster's gpu_serde processes, as this process last read them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._hosts: dict[str, str] = {}
+
+    def update(self, table: object) -> None:
+        """Take the scheduler's table (``{process: host hex}``); malformed entries are dropped."""
+        if not isinstance(table, dict):
+            return
+        clean = {
+            str(k): v
+            for k, v in table.items()
+            if isinstance(v, str) and len(v) == 32 and all(c in "0123456789abcdef" for c in v)
+        }
+        with self._lock:
+            self._hosts = clean
+
+    def host_of(self, address: object) -> bytes | None:
+        """The host identity published for a process at ``address`` (a worker's listening
+        address), or None."""
+        with self._lock:
+            found = self._hosts.get(address) if isinstance(address, str) else None
+        return bytes.fromhex(found) if found else None
+
+    def one_host(self) -> bool:
+        """True when every published process is on this host (and at least one published)."""
+        with self._lock:
+            return bool(self._hosts) and all(v == host_id().hex() for v in self._hosts.values())
+
+    def hosts(self) -> dict[str, str]:
+        """A copy of the table."""
+        with self._lock:
+            return dict(self._hosts)
+
+
+table = HostTable()
+_warned_unshared = False
+
+
+def _peer_host(context: dict[str, Any]) -> bytes | None:
+    peer = context.get("recipient")
+    if not isinstance(peer, dict):
+        return None
+    marked = peer.get(HANDSHAKE_KEY)
+    if isinstance(marked, str):
+        with contextlib.suppress(ValueError):
+            raw = bytes.fromhex(marked)
+            if len(raw) == 16:
+                return raw
+    return table.host_of(peer.get("address"))
+
+
+def choose(context: object) -> str:
+    """How a buffer goes to the peer that ``context`` (distributed's serializer context) names:
+    ``"ipc"`` (zero copy), ``"copy"`` (by value) or ``"both"``. No context (spilling to disk, in
+    this process) is zero copy."""
+    if not isinstance(context, dict):
+        return "ipc"
+    host = _peer_host(context)
+    if host is not None:
+        return "ipc" if host == host_id() else "copy"
+    return "ipc" if table.one_host() else "both"
+
+
+class _Reduced:
+    """Pickles as a reduction chosen beforehand."""
+
+    __slots__ = ("reduction",)
+
+    def __init__(self, reduction: tuple[Any, ...]) -> None:
+        self.reduction = reduction
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return self.reduction
+
+
+def _reduction(buf: Buffer, sent: str) -> tuple[str, tuple[Any, ...]]:
+    global _warned_unshared
+    if sent == "ipc":
+        try:
+            return sent, handled.reduce_buffer(buf)
+        except NotIPCEnabledError as exc:
+            if not _warned_unshared:
+                _warned_unshared = True
+                logger.warning("gpu_serde: Dask sends such buffers by value (a copy): %s", exc)
+            sent = "copy"
+    if sent == "copy":
+        return sent, hostcopy.reduce_by_value(buf, 5)
+    return sent, hostcopy.PortableBuffer(buf).__reduce_ex__(5)
+
+
+def serialize_buffer(buf: Buffer, context: object = None) -> tuple[dict[str, Any], list[Any]]:
+    """distributed ``dask`` serializer for ``cuda.core.Buffer``: the header says how it was
+    sent (:data:`SENT`); the frames are a pickle and its out-of-band buffers (the bytes, when
+    they travel).
+
+    Never raises: a buffer that cannot be sent (a copy that does not fit in host memory, a closed
+    buffer) is sent as its error (``"unsent"``), which the receiver raises when it is used (a
+    serializer that raises would leave the receiver waiting for ever).
+    """
+    try:
+        sent, reduction = _reduction(buf, choose(context))
+    except Exception as exc:  # raising here would leave the receiver waiting for ever
+        logger.warning("gpu_serde: a Buffer could not be sent: %s", exc)
+        sent, reduction = "unsent", hostcopy.unsent("Buffer", exc)
+    buffers: list[pickle.PickleBuffer] = []
+    head = pickle.dumps(_Reduced(reduction), protocol=5, buffer_callback=buffers.append)
+    return {"gpu_serde": FORMAT, "sent": sent}, [head, *(b.raw() for b in buffers)]
+
+
+def deserialize_buffer(header: object, frames: list[Any]) -> Any:
+    """distributed ``dask`` deserializer for ``cuda.core.Buffer``: the buffer, mapped or uploaded
+    here; never raises (Dask would lose the worker): anything wrong gives a placeholder."""
+    try:
+        if not isinstance(header, dict) or header.get("gpu_serde") != FORMAT or not frames:
+            raise PayloadError(
+                f"invalid gpu_serde Dask frames (header {safe(header)}): sent by another "
+                "gpu_serde version; install the same version on every process of the cluster"
+            )
+        return pickle.loads(frames[0], buffers=frames[1:])
+    except Exception as exc:
+        error = (
+            exc
+            if isinstance(exc, PayloadError)
+            else PayloadError(f"invalid gpu_serde Dask frames: {type(exc).__name__}: {safe(exc)}")
+        )
+        return UnresolvedObject("Buffer", wire.hbuf, (None,), error)
+
+
+dask_serialize.register(Buffer)(serialize_buffer)
+dask_deserialize.register(Buffer)(deserialize_buffer)
+
+
+def _takes_overrides() -> bool:
+    from distributed.comm import core
+
+    return "handshake_overrides" in inspect.signature(core.connect).parameters
+
+
+def mark(connection_args: object) -> bool:
+    """Add this process's host identity to the handshake of the connections that a worker or
+    client with these ``connection_args`` opens; False where distributed cannot carry it (its
+    ``connect`` takes no ``handshake_overrides``: peers then count as of unknown host)."""
+    if not isinstance(connection_args, dict) or not _takes_overrides():
+        return False
+    overrides = connection_args.get("handshake_overrides")
+    if not isinstance(overrides, dict):
+        overrides = connection_args["handshake_overrides"] = {}
+    overrides[HANDSHAKE_KEY] = host_id().hex()
+    return True
+
+
+async def _read(scheduler: Any) -> dict[str, Any]:
+    got = await scheduler.get_metadata(keys=[TABLE_KEY], default={})
+    return got if isinstance(got, dict) else {}
+
+
+async def join(scheduler: Any, name: str) -> None:
+    """Publish this process's host identity as ``name`` (a worker's address, a client's id) in
+    the table of the scheduler behind ``scheduler`` (an rpc), and read the table. In a cluster of
+    several hosts it then waits :data:`REFRESH_S` (and a little) and reads it again, so that every
+    process knows of its host before it takes work, and it of theirs. Failures are logged, never
+    raised."""
+    own = host_id().hex()
+    try:
+        await scheduler.set_metadata(keys=[TABLE_KEY, name], value=own)
+        table.update(await _read(scheduler))
+    except Exception as exc:  # the plugin's setup must not fail a worker
+        logger.warning(
+            "gpu_serde: could not publish this process's host to the scheduler (%s); buffers "
+            "sent to it travel both mapped and by value",
+            exc,
+        )
+        return
+    if any(v != own for v in table.hosts().values()):
+        await asyncio.sleep(REFRESH_S + 0.5)
+        with contextlib.suppress(Exception):
+            table.update(await _read(scheduler))
+
+
+async def leave(scheduler: Any, name: str) -> None:
+    """Withdraw ``name`` from the scheduler's table (best effort)."""
+    with contextlib.suppress(Exception):
+        await scheduler.set_metadata(keys=[TABLE_KEY, name], value=None)
+
+
+async def follow(scheduler: Any, alive: Callable[[], bool]) -> None:
+    """Read the scheduler's table every :data:`REFRESH_S` while ``alive()``; a failed read is
+    tried again at the next turn."""
+    while alive():
+        await asyncio.sleep(REFRESH_S)
+        if not alive():
+            return
+        with contextlib.suppress(Exception):
+            table.update(await _read(scheduler))
+
+
+_following: set[asyncio.Future[None]] = set()
+
+
+def start_following(scheduler: Any, alive: Callable[[], bool]) -> None:
+    """Run :func:`follow` on the running event loop (a task kept until it ends)."""
+    task = asyncio.ensure_future(follow(scheduler, alive))
+    _following.add(task)
+    task.add_done_callback(_following.discard)
