@@ -16,6 +16,11 @@ for ``cuda.core.Buffer`` that picks, for each send, how the buffer travels:
 
 A buffer whose memory cannot be shared (not from an IPC-enabled pool) travels by value everywhere.
 
+Under a comm that carries GPU memory (UCX) with distributed's ``cuda`` serializer family, a
+buffer of device memory travels as one device frame instead (:func:`cuda_serialize_buffer`): UCX
+moves it GPU to GPU, and the receiver copies it into a pool of its own. That family gets no
+context, so it copies on one host too.
+
 **Where a peer is.** Two sources, both filled by gpu_serde itself:
 
 - *the handshake*: the connections that gpu_serde's workers and registered clients open carry
@@ -47,11 +52,14 @@ from collections.abc import Callable
 from typing import Any
 
 from cuda.core import Buffer
+from distributed.protocol.cuda import cuda_deserialize, cuda_serialize
 from distributed.protocol.serialize import dask_deserialize, dask_serialize
 
 from gpu_serde import handled, hostcopy, wire
-from gpu_serde.errors import NotIPCEnabledError, PayloadError
+from gpu_serde.errors import HandoffError, NotIPCEnabledError, PayloadError
 from gpu_serde.hostid import host_id
+from gpu_serde.memory_payload import decode_hbuf
+from gpu_serde.payload import VERSION
 from gpu_serde.placeholders import UnresolvedObject
 from gpu_serde.text import safe
 
@@ -202,6 +210,66 @@ def deserialize_buffer(header: object, frames: list[Any]) -> Any:
 
 dask_serialize.register(Buffer)(serialize_buffer)
 dask_deserialize.register(Buffer)(deserialize_buffer)
+
+
+class DeviceFrame:
+    """A buffer's bytes as a device frame: ``__cuda_array_interface__`` of ``size`` bytes (what
+    a comm that carries GPU memory, such as UCX, sends GPU to GPU). Keeps the buffer alive."""
+
+    __slots__ = ("buffer",)
+
+    def __init__(self, buffer: Buffer) -> None:
+        self.buffer = buffer
+
+    @property
+    def nbytes(self) -> int:
+        """The frame's size in bytes."""
+        return int(self.buffer.size)
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        ptr = int(self.buffer.handle)
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+
+
+def cuda_serialize_buffer(buf: Buffer) -> tuple[dict[str, Any], list[Any]]:
+    """distributed ``cuda`` serializer for ``cuda.core.Buffer`` of device memory: one device
+    frame, by value (the ``cuda`` family gets no context, so it cannot tell a peer on this host
+    from one on another). Buffers of pinned host memory go to the next family (``dask``).
+
+    Raises:
+        NotImplementedError: pinned host memory, or a closed buffer (the next family decides).
+    """
+    if not buf.handle or int(buf.device_id) < 0:
+        raise NotImplementedError("gpu_serde sends device memory only as device frames")
+    header = {"gpu_serde": FORMAT, "device": hostcopy.device_of(buf), "size": int(buf.size)}
+    return header, [DeviceFrame(buf)]
+
+
+def cuda_deserialize_buffer(header: object, frames: list[Any]) -> Any:
+    """distributed ``cuda`` deserializer: the frame's bytes in a new buffer from this process's
+    receiving pool (a device-to-device copy, or an upload for a host frame); never raises."""
+    try:
+        if not isinstance(header, dict) or header.get("gpu_serde") != FORMAT or len(frames) != 1:
+            raise PayloadError(f"invalid gpu_serde device frames (header {safe(header)})")
+        device, size, frame = header.get("device"), header.get("size"), frames[0]
+        if hasattr(frame, "__cuda_array_interface__"):
+            return hostcopy.from_device(device, size, frame.__cuda_array_interface__)
+        return hostcopy.upload(decode_hbuf((VERSION, device, size, frame)))
+    except Exception as exc:
+        error = (
+            exc
+            if isinstance(exc, (PayloadError, HandoffError))
+            else HandoffError(
+                f"a Buffer sent as a device frame could not be received here: "
+                f"{type(exc).__name__}: {safe(exc)}"
+            )
+        )
+        return UnresolvedObject("Buffer", wire.hbuf, (None,), error)
+
+
+cuda_serialize.register(Buffer)(cuda_serialize_buffer)
+cuda_deserialize.register(Buffer)(cuda_deserialize_buffer)
 
 
 def _takes_overrides() -> bool:

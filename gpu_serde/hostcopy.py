@@ -50,9 +50,16 @@ from gpu_serde.errors import (
     HostCopyError,
     NotIPCEnabledError,
     OtherHostError,
+    PayloadError,
     TokenRefusedError,
 )
-from gpu_serde.memory_payload import HostCopyPayload, decode_hbuf, decode_pbuf, decode_unsent
+from gpu_serde.memory_payload import (
+    HostCopyPayload,
+    decode_hbuf,
+    decode_pbuf,
+    decode_unsent,
+    validate_target,
+)
 from gpu_serde.payload import VERSION, decode_device
 from gpu_serde.placeholders import body, define
 from gpu_serde.text import quoted, safe
@@ -135,9 +142,14 @@ def _driver(call: str, result: tuple[Any, ...]) -> None:
         raise HostCopyError(f"{call} failed: {getattr(result[0], 'name', result[0])}")
 
 
-def _host_payload(buf: Buffer, data: Any) -> tuple[Any, ...]:
-    dev = None if _is_host_memory(buf) else device_payload(Device(int(buf.device_id)))
-    return (VERSION, dev, int(buf.size), data)
+def host_payload(buf: Buffer, data: Any) -> tuple[Any, ...]:
+    """The host-copy payload of ``buf`` carrying ``data`` (its bytes)."""
+    return (VERSION, device_of(buf), int(buf.size), data)
+
+
+def device_of(buf: Buffer) -> bytes | None:
+    """The device payload of ``buf``'s GPU, or None for pinned host memory."""
+    return None if _is_host_memory(buf) else device_payload(Device(int(buf.device_id)))
 
 
 def _data(view: memoryview, protocol: int) -> Any:
@@ -151,7 +163,7 @@ def reduce_by_value(buf: Buffer, protocol: int = 5) -> tuple[Any, ...]:
     Raises:
         HostCopyError, HandoffError: as :func:`to_host`.
     """
-    return (wire.hbuf, (_host_payload(buf, _data(to_host(buf), protocol)),))
+    return (wire.hbuf, (host_payload(buf, _data(to_host(buf), protocol)),))
 
 
 def _receiving_pool(ordinal: int) -> Any:
@@ -213,6 +225,41 @@ def upload(p: HostCopyPayload) -> Buffer:
         raise HandoffError(
             f"a Buffer of {p.size} bytes sent by value could not be put in {where} here: "
             f"{type(exc).__name__}: {exc}"
+        ) from exc
+    _count("uploaded")
+    return buf
+
+
+def from_device(device: object, size: object, interface: object) -> Buffer:
+    """A new buffer, from this process's receiving pool, with a copy of the device memory that
+    ``interface`` (a ``__cuda_array_interface__`` of ``size`` bytes) describes; ``device`` is the
+    sender's device payload (the same GPU is used if visible here); left current like
+    :func:`upload`'s.
+
+    Raises:
+        PayloadError: ``size``, ``device`` or ``interface`` is malformed.
+        HandoffError: as :func:`upload`.
+    """
+    dev_p, n = validate_target(device, size)
+    try:
+        ptr = int(interface["data"][0])  # type: ignore[index]
+        shape = tuple(interface["shape"])  # type: ignore[index]
+        ok = interface["typestr"] in ("|u1", "|i1", "|b1") and shape == (n,)  # type: ignore[index]
+    except Exception:
+        ok = False
+    if not ok:
+        raise PayloadError(f"a device frame of gpu_serde is {n} bytes, one a byte ('|u1')")
+    dev = _target(HostCopyPayload(VERSION, dev_p, n, b""))
+    try:
+        dev.set_current()
+        stream = dev.default_stream
+        buf = _receiving_pool(dev.device_id).allocate(n, stream=stream)
+        _driver("cuMemcpyAsync", driver.cuMemcpyAsync(int(buf.handle), ptr, n, int(stream.handle)))
+        stream.sync()
+    except Exception as exc:
+        raise HandoffError(
+            f"a Buffer of {n} bytes sent as a device frame could not be copied to GPU "
+            f"{dev.device_id} here: {type(exc).__name__}: {exc}"
         ) from exc
     _count("uploaded")
     return buf
@@ -295,7 +342,7 @@ def portable_payload(buf: Buffer, protocol: int = 5) -> tuple[Any, ...]:
         pass  # only the copy travels
     else:
         kind, inner = reduction[0].__name__, reduction[1][0]
-    return (VERSION, kind, inner, _host_payload(buf, _data(to_host(buf), protocol)))
+    return (VERSION, kind, inner, host_payload(buf, _data(to_host(buf), protocol)))
 
 
 class Alias(MemoryResource):

@@ -272,6 +272,19 @@ class PortablePayload(NamedTuple):
     copy: HostCopyPayload
 
 
+def validate_target(dev: object, size: object, p: object = None) -> tuple[bytes | None, int]:
+    """Check a copy's device payload (or None: pinned host memory) and size; return them.
+
+    Raises:
+        PayloadError: either is malformed.
+    """
+    if dev is not None:
+        validate_device(dev)
+    if type(size) is not int or not 0 < size < 1 << 62:
+        raise fail("the size must be a positive int", (dev, size) if p is None else p)
+    return dev, size  # type: ignore[return-value]
+
+
 def decode_hbuf(p: object) -> HostCopyPayload:
     """Validate a host-copy payload.
 
@@ -280,10 +293,7 @@ def decode_hbuf(p: object) -> HostCopyPayload:
             not a contiguous buffer of the stated size.
     """
     _, dev, size, data = _fields("host copy", p, 4)
-    if dev is not None:
-        validate_device(dev)
-    if type(size) is not int or not 0 < size < 1 << 62:
-        raise fail("the size must be a positive int", p)
+    validate_target(dev, size, p)
     try:
         with memoryview(data) as view:
             ok = view.c_contiguous and view.nbytes == size

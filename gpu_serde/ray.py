@@ -12,6 +12,10 @@ one of these (each is tested; see docs/deployment.md)::
 Only the job-level runtime_env reaches ``worker_process_setup_hook``; Ray ignores it when given
 per task or actor in ``.options(runtime_env=...)``.
 
+With Ray 2.55 and later, actors can also hand ``cuda.core.Buffer`` results to each other through
+Ray Direct Transport, outside the object store: ``@ray.method(tensor_transport=TRANSPORT)`` on an
+actor declared with ``enable_tensor_transport=True`` (:mod:`gpu_serde.ray_transport`).
+
 A driver that installed gpu_serde this way marks its job (the environment variable
 :data:`DRIVER_MARK` in its workers); a worker whose job lacks the mark logs a warning that Devices
 from that driver arrive by ordinal.
@@ -24,8 +28,10 @@ import logging
 import os
 from typing import Any
 
+from gpu_serde import ray_transport
 from gpu_serde.inventory import set_role
 from gpu_serde.ray_placement import on as on
+from gpu_serde.ray_transport import TRANSPORT as TRANSPORT
 from gpu_serde.registry import ensure_installed
 
 #: The ``worker_process_setup_hook`` that installs gpu_serde in a Ray worker.
@@ -55,6 +61,7 @@ def setup_worker() -> None:
     import ray
 
     ensure_installed("Ray")
+    ray_transport.register()  # Buffers through Ray Direct Transport (Ray 2.55 and later)
     try:
         node = ray.get_runtime_context().get_node_id()
     except Exception:  # the role is only for messages
@@ -118,6 +125,7 @@ def _marked(env: dict[str, Any]) -> dict[str, Any]:
 def _install_driver() -> None:
     ensure_installed("Ray")
     set_role("ray driver")
+    ray_transport.register()
 
 
 def runtime_env_hook(env: dict[str, Any] | None) -> dict[str, Any]:

@@ -256,3 +256,166 @@ def test_a_portable_buffer_reaches_a_process_on_its_host_mapped(tier, pool_here)
 def test_a_portable_buffer_whose_exporter_is_gone_arrives_by_value(tier):
     blob = run(EXPORT, tier)  # the exporter has exited: its memory cannot be mapped any more
     assert run(RECEIVE, tier, None, blob).decode().split() == ["True", "DeviceMemoryResource"]
+
+
+@pytest.fixture(scope="module")
+def ray_hosts(tier):
+    """A Ray cluster on two "hosts": the head node (this host) and node ``b`` (``hostb``)."""
+    import ray
+    from memtier import ray_by_value
+    from ray.cluster_utils import Cluster
+
+    import gpu_serde.ray
+
+    ray_by_value(__name__)
+    object_store = 4 * tier.size + (64 << 20)
+    node = {"num_cpus": 2, "num_gpus": 1, "object_store_memory": object_store}
+    env = {"CUDA_VISIBLE_DEVICES": tier.uuid}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CUDA_VISIBLE_DEVICES", tier.uuid)
+        c = Cluster(initialize_head=True, head_node_args={**node, "resources": {"host_a": 10}})
+        c.add_node(**node, resources={"host_b": 10}, env_vars={**env, "GPU_SERDE_HOST_ID": "hostb"})
+        gpu_serde.ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+    c.shutdown()
+
+
+def on_host(name: str) -> dict:
+    return {"resources": {f"host_{name}": 1}, "num_gpus": 0.5}
+
+
+def test_a_portable_buffer_reaches_a_ray_task_on_another_host_by_value(ray_hosts, tier, pool_here):
+    ray = ray_hosts
+    buf = pool_here.allocate(tier.size, stream=Device(tier.ordinal).default_stream)
+    fill(buf)
+    task = ray.remote(received)
+    there = task.options(**on_host("b")).remote(gpu_serde.portable(buf))
+    here = task.options(**on_host("a")).remote(gpu_serde.portable(buf))
+    there, here = ray.get([there, here], timeout=300)
+    assert there["ok"] and not there["mapped"] and there["size"] == tier.size
+    assert here["ok"] and here["mapped"]
+
+
+def test_a_portable_buffer_put_in_the_object_store_reaches_another_host(ray_hosts, tier, pool_here):
+    ray = ray_hosts
+    buf = pool_here.allocate(tier.size, stream=Device(tier.ordinal).default_stream)
+    fill(buf)
+    ref = ray.put(gpu_serde.portable(buf))
+    got = ray.get(ray.remote(received).options(**on_host("b")).remote(ref), timeout=300)
+    assert got["ok"] and not got["mapped"]
+
+
+def test_a_ray_task_on_another_host_returns_a_portable_buffer_to_the_driver(ray_hosts, tier):
+    ray = ray_hosts
+
+    def make_portable(size):
+        return gpu_serde.portable(make(size))
+
+    ref = ray.remote(make_portable).options(**on_host("b")).remote(tier.size)
+    got = received(ray.get(ref, timeout=300))
+    assert got["ok"] and not got["mapped"]
+
+
+def test_a_plain_buffer_sent_to_another_ray_host_says_how_to_send_it(ray_hosts, tier, pool_here):
+    ray = ray_hosts
+    buf = pool_here.allocate(tier.size, stream=Device(tier.ordinal).default_stream)
+    fill(buf)
+    ref = ray.remote(received).options(**on_host("b"), max_retries=0).remote(buf)
+    with pytest.raises(gpu_serde.OtherHostError, match=r"gpu_serde\.portable\(buf\)"):
+        ray.get(ref, timeout=300)
+
+
+def _rdt_supported() -> bool:
+    from gpu_serde import ray_transport
+
+    return ray_transport.supported()
+
+
+rdt = pytest.mark.skipif(
+    not _rdt_supported(), reason="Ray before 2.55 has no custom tensor transports"
+)
+
+
+def rdt_actors(ray, size: int):
+    """A producer actor that returns buffers through gpu_serde's transport, and consumers."""
+    import gpu_serde.ray
+
+    @ray.remote(num_gpus=0.25, enable_tensor_transport=True)
+    class Producer:
+        @ray.method(tensor_transport=gpu_serde.ray.TRANSPORT)
+        def make(self):
+            return make(size)
+
+    @ray.remote(num_gpus=0.25, enable_tensor_transport=True)
+    class Consumer:
+        def received(self, buf):
+            return received(buf)
+
+    return Producer, Consumer
+
+
+@rdt
+def test_an_actor_hands_a_buffer_through_ray_direct_transport_to_another_host_by_value(
+    ray_hosts, tier
+):
+    ray = ray_hosts
+    producer_cls, consumer_cls = rdt_actors(ray, tier.size)
+    producer = producer_cls.options(resources={"host_a": 1}).remote()
+    there = consumer_cls.options(resources={"host_b": 1}).remote()
+    here = consumer_cls.options(resources={"host_a": 1}).remote()
+    ref = producer.make.remote()
+    got_there, got_here = ray.get(
+        [there.received.remote(ref), here.received.remote(ref)], timeout=300
+    )
+    assert got_there["ok"] and not got_there["mapped"] and got_there["size"] == tier.size
+    assert got_here["ok"] and got_here["mapped"]
+
+
+def test_under_the_cuda_family_a_buffer_travels_as_one_device_frame(tier, pool_here):
+    from distributed.protocol import deserialize, serialize
+    from memtier import pattern_is_there
+
+    import gpu_serde.dask  # noqa: F401  (registers gpu_serde's serializers)
+
+    buf = pool_here.allocate(tier.size, stream=Device(tier.ordinal).default_stream)
+    fill(buf)
+    header, frames = serialize(buf, serializers=["cuda"], on_error="raise")
+    got = deserialize(header, frames, deserializers=["cuda"])
+    assert [type(f).__name__ for f in frames] == ["DeviceFrame"]
+    assert pattern_is_there(got) and int(got.handle) != int(buf.handle)
+
+
+def test_pinned_memory_skips_the_cuda_family_for_the_dask_one(tier):
+    from cuda.core import PinnedMemoryResource, PinnedMemoryResourceOptions
+    from distributed.protocol import serialize
+
+    import gpu_serde.dask
+
+    gpu_serde.install()
+    Device(tier.ordinal).set_current()
+    pinned = PinnedMemoryResource(PinnedMemoryResourceOptions(ipc_enabled=True, max_size=1 << 22))
+    buf = pinned.allocate(1 << 20, stream=Device(tier.ordinal).default_stream)
+    header, _ = serialize(buf, serializers=["cuda", "dask"], on_error="raise")
+    assert header["serializer"] == "dask"
+
+
+@pytest.mark.parametrize(
+    "header, frames",
+    [
+        ({"gpu_serde": 99, "sent": "ipc"}, [b""]),
+        ({"gpu_serde": 1, "sent": "ipc"}, []),
+        ({"gpu_serde": 1, "sent": "ipc"}, [b"not a pickle"]),
+        ("\x1b[31mnot a dict\n", [b""]),
+    ],
+    ids=["another version", "no frames", "garbage", "hostile header"],
+)
+def test_malformed_dask_frames_give_a_placeholder_never_an_exception(installed, header, frames):
+    from gpu_serde.dask_transfer import cuda_deserialize_buffer, deserialize_buffer
+
+    for loads in (deserialize_buffer, cuda_deserialize_buffer):
+        got = loads(header, frames)  # must not raise: Dask would lose the worker
+        assert isinstance(got, gpu_serde.UnresolvedObject)
+        with pytest.raises((gpu_serde.PayloadError, gpu_serde.HandoffError)) as caught:
+            gpu_serde.resolve(got)
+        assert "\n" not in str(caught.value) and "\x1b" not in str(caught.value)

@@ -12,7 +12,7 @@ import pickle
 import random
 
 import pytest
-from cuda.core import Device, VirtualMemoryResource, VirtualMemoryResourceOptions
+from cuda.core import Buffer, Device, VirtualMemoryResource, VirtualMemoryResourceOptions
 
 import gpu_serde
 from gpu_serde import (
@@ -29,7 +29,17 @@ from gpu_serde.handoff import BOOT_ID
 from gpu_serde.payload import encode_device
 from gpu_serde.vmm import options_payload
 
-RECONSTRUCTORS = [wire.dev, wire.pool, wire.buf, wire.vmo, wire.vmm, wire.vbuf]
+RECONSTRUCTORS = [
+    wire.dev,
+    wire.pool,
+    wire.buf,
+    wire.vmo,
+    wire.vmm,
+    wire.vbuf,
+    wire.hbuf,
+    wire.pbuf,
+    wire.unsent,
+]
 TYPED = (PayloadError, DeviceNotVisibleError, HandoffError)
 
 
@@ -116,6 +126,9 @@ def _valid(simulated_gpus) -> dict:
         wire.vmo: opts,
         wire.vmm: (1, dev, opts),
         wire.vbuf: (1, (1, dev, opts), bytes(16), "@gpu_serde-fuzz", bytes(16), 4096, bytes(16)),
+        wire.hbuf: (1, dev, 4096, bytes(4096)),
+        wire.pbuf: (1, "buf", (1, pool, bytes(64), 4096, bytes(16)), (1, dev, 4096, bytes(4096))),
+        wire.unsent: (1, "Buffer", "HostCopyError", "it did not fit"),
     }
 
 
@@ -168,10 +181,19 @@ def test_a_hundred_thousand_mutated_payloads_give_only_objects_or_typed_placehol
                 blob = pickle.dumps(Call(fn, payload))
                 assert pickle.dumps(pickle.loads(blob)) == blob
         else:
-            rebuilt = (Device, VirtualMemoryResource, VirtualMemoryResourceOptions)
+            rebuilt = (Device, VirtualMemoryResource, VirtualMemoryResourceOptions, Buffer)
             assert isinstance(got, rebuilt), (fn, payload, got)
     assert kinds["PayloadError"] > 50_000  # most mutations break the payload
-    assert set(kinds) <= {"PayloadError", "DeviceNotVisibleError", "OtherHostError", "HandoffError"}
+    assert set(kinds) <= {
+        "PayloadError",
+        "DeviceNotVisibleError",
+        "OtherHostError",
+        "HandoffError",
+        "HostCopyError",  # the unsent payload's own error
+        "NotIPCEnabledError",
+        "ExporterGoneError",
+        "TokenRefusedError",
+    }
 
 
 # --- text from the wire never reaches a person raw -------------------------------------------
