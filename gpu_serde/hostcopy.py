@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import mmap
 import os
 import pickle
 import threading
 from typing import Any
 
+import numpy as np
 from cuda.bindings import driver
 from cuda.core import (
     Buffer,
@@ -120,19 +120,16 @@ def to_host(buf: Buffer) -> memoryview:
             f"{size} bytes; this host has {free} available. Send smaller buffers, or run the "
             "consumer on the exporter's host, where the buffer is mapped without a copy."
         )
-    host = mmap.mmap(-1, size)
-    view = memoryview(host)
-    try:
-        if _is_host_memory(buf):  # pinned host memory: the driver refuses copies into it
-            ctypes.memmove(ctypes.addressof(ctypes.c_char.from_buffer(host)), int(buf.handle), size)
-        else:
-            with handoff.current(Device(int(buf.device_id))):
-                _driver("cuCtxSynchronize", driver.cuCtxSynchronize())  # the writes queued on it
-                _driver("cuMemcpyDtoH", driver.cuMemcpyDtoH(view, int(buf.handle), size))
-    except BaseException:
-        view.release()
-        host.close()
-        raise
+    # NumPy's allocator (cuda.core depends on NumPy): a large array reuses memory a freed one
+    # left mapped, where a fresh mapping would fault in every page during the copy
+    host = np.empty(size, dtype=np.uint8)
+    view = host.data  # a memoryview of the array: bytes, one dimension
+    if _is_host_memory(buf):  # pinned host memory: the driver refuses copies into it
+        ctypes.memmove(host.ctypes.data, int(buf.handle), size)
+    else:
+        with handoff.current(Device(int(buf.device_id))):
+            _driver("cuCtxSynchronize", driver.cuCtxSynchronize())  # the writes queued on it
+            _driver("cuMemcpyDtoH", driver.cuMemcpyDtoH(host, int(buf.handle), size))
     _count("to_host")
     return view
 

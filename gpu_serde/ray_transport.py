@@ -90,15 +90,13 @@ def register() -> bool:
 def _host_copy(actor: Any, obj_id: str, index: int) -> Any:
     """Runs in the sending actor (``__ray_call__``): a copy of a buffer it sent, as a NumPy array
     (Ray's object store carries it without another copy)."""
-    import numpy as np
-
     buf = _served.get((obj_id, index))
     if buf is None:
         raise OtherHostError(
             f"the sending actor no longer holds buffer {index} of object {obj_id[:16]}: it was "
             "freed before this receiver on another host fetched a copy"
         )
-    return np.frombuffer(hostcopy.to_host(buf), dtype=np.uint8)
+    return hostcopy.to_host(buf).obj  # the NumPy array the copy is in
 
 
 if TensorTransportManager is not None:

@@ -53,7 +53,7 @@ def test_memory_from_another_host_is_a_placeholder_naming_both_hosts(visible_dev
     p = p if rebuild is pool else buffer_payload(p)
     got = pickle.loads(carrier(rebuild, p))
     assert isinstance(got, UnresolvedObject)
-    with pytest.raises(OtherHostError, match="crosses processes only on the host"):
+    with pytest.raises(OtherHostError, match="mapped only on the host that exported it"):
         gpu_serde.resolve(got)
     with pytest.raises(OtherHostError):
         got.size  # noqa: B018 - using it raises

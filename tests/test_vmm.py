@@ -99,7 +99,7 @@ def test_a_vmm_buffer_from_another_host_is_a_placeholder(installed):
     res = resource_payload(VirtualMemoryResource(Device(0))).wire()
     p = (1, res, bytes(16), "@gpu_serde-test-nobody", bytes(16), 1 << 21, bytes(range(16)))
     got = vbuf(p)
-    with pytest.raises(OtherHostError, match="crosses processes only on the host"):
+    with pytest.raises(OtherHostError, match="mapped only on the host that exported it"):
         gpu_serde.resolve(got)
     assert isinstance(pickle.loads(pickle.dumps(got)), UnresolvedObject)  # forwarded as it came
 
