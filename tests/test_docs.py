@@ -19,6 +19,10 @@ MODULES = [
     "gpu_serde.vmm",
     "gpu_serde.broker",
     "gpu_serde.broker_client",
+    "gpu_serde.hostid",
+    "gpu_serde.hostcopy",
+    "gpu_serde.dask_transfer",
+    "gpu_serde.ray_transport",
 ]
 
 
