@@ -240,7 +240,7 @@ def plot_handoff(runs: list[Run], out: str) -> list[Run]:
         ax.set_title(title, fontsize=12.5)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xticks([s for s, _ in SIZES], [n for _, n in SIZES])
+        ax.set_xticks([s for s, _ in SIZES], [n for _, n in SIZES], rotation=35, ha="right")
         ax.minorticks_off()
         ax.set_xlim(SIZES[0][0] / 1.6, SIZES[-1][0] * 1.6)
         ax.grid(True, which="major", color="#dddddd", lw=0.8)
@@ -339,7 +339,7 @@ def plot_overhead(runs: list[Run], out: str) -> list[Run]:
     ax.set_xlabel("round trip of a task with a Device argument / the same task with an int")
     ax.plot([], [], "o", color="#1b7f2a", label="a Device, sent by gpu_serde (by UUID)")
     ax.plot([], [], "D", mfc="none", color="#6a1b9a", label="a Device, cuda.core's own pickle")
-    ax.legend(loc="lower right", fontsize=9, frameon=False)
+    ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=2, fontsize=10, frameon=False)
     ax.grid(True, axis="x", color="#dddddd", lw=0.8)
     fig.tight_layout()
     fig.savefig(out, metadata={"Date": None})
@@ -404,7 +404,7 @@ def headlines(runs: list[Run]) -> tuple[str, list[Run]]:
         cells = [
             _pair(ours, default["value"]) if default else "not measured",
             _pair(ours, copy["value"]) if copy else "not measured",
-            "none (multiprocessing only)",
+            "\N{EN DASH}",
         ]
         lines.append(f"| {what} | {_ms(ours)} | " + " | ".join(cells) + " |")
     kept = at("multiprocessing", "gpu_serde.default", "queue")
@@ -461,24 +461,27 @@ def headlines(runs: list[Run]) -> tuple[str, list[Run]]:
     lines += [
         "",
         f"Measured on {'; '.join(gpus)}, on {' and '.join(days)}"
-        + (" (the engines' defaults on an earlier day)" if undated else "")
-        + ". In brackets: that time over gpu_serde's.",
+        + (" (the engines' defaults on a day not noted)" if undated else "")
+        + ". In brackets: that time over gpu_serde's. cuda.core's own path exists only over "
+        "multiprocessing.",
     ]
     return "\n".join(lines), used
 
 
 def sources(runs: list[Run]) -> str:
-    """The table of data files (Markdown)."""
-    lines = [
-        "| data file | what | when | machine | versions |",
-        "|---|---|---|---|---|",
-    ]
+    """The list of data files by machine and versions, newest first (Markdown)."""
+    groups: dict[tuple[str, str], list[Run]] = {}
     for run in sorted(runs, key=lambda r: r.order, reverse=True):
-        command = run.doc.get("command") or run.doc.get("benchmark", "")
-        lines.append(
-            f"| `{os.path.basename(run.path)}` | `{command}` | {run.date or 'not noted'} | "
-            f"{run.machine()} | {run.versions()} |"
-        )
+        groups.setdefault((run.machine(), run.versions()), []).append(run)
+    lines = []
+    for (machine, versions), members in groups.items():
+        lines.append(f"- {machine}; {versions}:")
+        for run in members:
+            command = run.doc.get("command")
+            what = f"`{command}`" if command else run.doc.get("benchmark", "a measurement")
+            lines.append(
+                f"  - `{os.path.basename(run.path)}`, {run.date or 'day not noted'}: {what}"
+            )
     return "\n".join(lines)
 
 
