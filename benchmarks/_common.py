@@ -1,13 +1,19 @@
-"""Shared helpers: pick real or simulated GPUs, and time alternatives interleaved in one run."""
+"""Shared helpers: pick real or simulated GPUs, time alternatives interleaved in one run, and save
+the results as JSON (``--json PATH``) in the format ``benchmarks/plot.py`` reads."""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import datetime
+import json
 import os
 import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -101,6 +107,15 @@ def task_table(title: str, t: dict[str, float], target: float = 1.05) -> None:
         print(f"| {name} | {seconds * 1e3:.3f} ms | {ratio:.3f}x | {note} |")
 
 
+def task_rows(engine: str, t: dict[str, float], path: str) -> list[dict[str, Any]]:
+    """JSON rows of a task round-trip run (:func:`task_table`'s numbers)."""
+    series = {"int": "int", "ordinal": "cuda.core.ordinal", "Device": "gpu_serde.device"}
+    return [
+        result("task_round_trip", engine, series[k], t[k], path=path, stat="median")
+        for k in ("int", "ordinal", "Device")
+    ]
+
+
 def ipc_pool(dev, max_size: int, *, keep: bool = False):
     """An IPC-enabled DeviceMemoryResource of ``max_size`` bytes; ``keep=True`` sets its release
     threshold to ``max_size`` (a pool that keeps its freed memory, as a long-running service's
@@ -119,3 +134,135 @@ def ipc_pool(dev, max_size: int, *, keep: bool = False):
         if err != driver.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"cuMemPoolSetAttribute(RELEASE_THRESHOLD) failed: {err}")
     return mr
+
+
+# --- results as JSON (``--json PATH``), the format benchmarks/plot.py reads ---------------------
+#
+# One file per run of one command: what ran, when, on which machine and versions, and a list of
+# results. Each result is one number: ``metric`` (what is measured: "handoff", "round_trip",
+# "task_round_trip", "payload_bytes", ...), ``engine`` ("multiprocessing", "ray", "dask", or
+# "pickle"), ``series`` (the case, e.g. "gpu_serde.kept"), ``path`` (how it travelled: "queue",
+# "task argument", ...), ``size_bytes`` where sizes vary, ``value`` with its ``unit`` ("s",
+# "bytes" or "x"), and optionally ``low``/``high`` (a 95% confidence interval) and ``stat``.
+# benchmarks/results/README.md describes every field.
+
+FORMAT = "gpu_serde-benchmark-results/1"
+SIZES_BYTES = {"1 MiB": 1 << 20, "64 MiB": 64 << 20, "1 GiB": 1 << 30, "4 GiB": 4 << 30}
+
+
+def parser(doc: str | None) -> argparse.ArgumentParser:
+    """An argument parser with the ``--json PATH`` option every benchmark takes."""
+    p = argparse.ArgumentParser(description=(doc or "").strip().splitlines()[0])
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also write the results to PATH as JSON (benchmarks/results/README.md), for "
+        "benchmarks/plot.py",
+    )
+    return p
+
+
+def result(
+    metric: str,
+    engine: str,
+    series: str,
+    value: float,
+    unit: str = "s",
+    *,
+    path: str = "",
+    size: str | None = None,
+    low: float | None = None,
+    high: float | None = None,
+    stat: str = "",
+    **extra: Any,
+) -> dict[str, Any]:
+    """One result row (``size``: "1 MiB", "64 MiB", "1 GiB" or "4 GiB")."""
+    row: dict[str, Any] = {"metric": metric, "engine": engine, "series": series}
+    if path:
+        row["path"] = path
+    if size is not None:
+        row["size"] = size
+        row["size_bytes"] = SIZES_BYTES[size]
+    row["value"] = value
+    row["unit"] = unit
+    if low is not None:
+        row["low"], row["high"] = low, high
+    if stat:
+        row["stat"] = stat
+    row.update(extra)
+    return row
+
+
+def _versions() -> dict[str, str]:
+    from importlib import metadata
+
+    found = {"python": platform.python_version()}
+    for name in (
+        "gpu-serde",
+        "cuda-core",
+        "cuda-bindings",
+        "ray",
+        "distributed",
+        "dask",
+        "cupy-cuda13x",
+        "cupy-cuda12x",
+        "torch",
+        "numpy",
+    ):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            found[name] = metadata.version(name)
+    return found
+
+
+def _driver() -> dict[str, Any]:
+    """The GPU and driver this process sees (for the results' header)."""
+    from gpu_serde.inventory import inventory
+
+    inv = inventory()
+    info: dict[str, Any] = {"simulated": inv.simulated, "gpu_count": len(inv.devices)}
+    if inv.devices:
+        info["gpu"] = inv.devices[0].name
+    try:
+        from cuda.bindings import driver
+
+        err, version = driver.cuDriverGetVersion()
+        if err == driver.CUresult.CUDA_SUCCESS:
+            info["cuda_driver_api"] = f"{version // 1000}.{version % 1000 // 10}"
+    except Exception:  # no driver: the inventory says so
+        pass
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            info["driver"] = f.readline().strip()
+    except OSError:
+        pass
+    return info
+
+
+def write_json(path: str | None, benchmark: str, rows: list[dict[str, Any]], **notes: Any) -> None:
+    """Write ``rows`` with what ran, when and where, to ``path`` (nothing when ``path`` is None)."""
+    if not path:
+        return
+    doc = {
+        "format": FORMAT,
+        "benchmark": benchmark,
+        "command": " ".join(
+            ["python", "benchmarks/" + os.path.basename(sys.argv[0]), *sys.argv[1:]]
+        ),
+        "date": datetime.date.today().isoformat(),
+        "source": "written by the command's --json option",
+        "machine": {
+            "host": platform.node(),
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            **_driver(),
+        },
+        "versions": _versions(),
+        **notes,
+        "results": rows,
+    }
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=2)
+        f.write("\n")
+    print(f"results written to {path}", file=sys.stderr)

@@ -1,6 +1,6 @@
 """Where the time of a GPU buffer hand-off goes, by phase and size (needs a real GPU and CuPy).
 
-    python benchmarks/buffer_breakdown.py
+    python benchmarks/buffer_breakdown.py [--json PATH]
 
 A spawned receiver unpickles each payload itself, so the phases are timed apart: the sender's
 pickle (cuda.core's export of the pointer, the broker's hold), the receiver's unpickle (a
@@ -18,7 +18,7 @@ import pickle
 import statistics
 import time
 
-from _common import machine
+from _common import machine, parser, result, write_json
 
 SIZES = [("1 MiB", 1 << 20), ("64 MiB", 64 << 20), ("1 GiB", 1 << 30), ("4 GiB", 4 << 30)]
 REPEATS = 6
@@ -59,7 +59,11 @@ def broker_round_trip() -> float:
     return statistics.median(times)
 
 
+PHASES = ("pickle", "unpickle", "first_read", "close")
+
+
 def main() -> None:
+    args = parser(__doc__).parse_args()
     from cuda.core import Device, DeviceMemoryResource, DeviceMemoryResourceOptions
 
     import gpu_serde
@@ -76,7 +80,9 @@ def main() -> None:
     try:
         assert outbox.get(timeout=300) == "ready"
         print(f"# GPU buffer hand-off by phase ({dev.name}; {machine()})")
-        print(f"broker round trip (acquire + release): {broker_round_trip() * 1e3:.3f} ms\n")
+        bare = broker_round_trip()
+        print(f"broker round trip (acquire + release): {bare * 1e3:.3f} ms\n")
+        out = [result("broker_round_trip", "multiprocessing", "gpu_serde", bare, stat="median")]
         print("| size | pickle | unpickle (broker + map) | first read | close | total |")
         print("|---|---|---|---|---|---|")
         for label, size in SIZES:
@@ -99,6 +105,20 @@ def main() -> None:
             med = [statistics.median(col) * 1e3 for col in zip(*timed, strict=True)]
             cells = " | ".join(f"{m:.2f} ms" for m in med)
             print(f"| {label} | {cells} | {sum(med):.2f} ms |")
+            for phase, m in zip(PHASES, med, strict=True):
+                out.append(
+                    result(
+                        "phase",
+                        "multiprocessing",
+                        "gpu_serde.default",
+                        m / 1e3,
+                        path="queue",
+                        size=label,
+                        phase=phase,
+                        stat=f"median of {REPEATS}",
+                    )
+                )
+        write_json(args.json, "buffer_breakdown", out)
     finally:
         inbox.put(None)
         child.join(30)

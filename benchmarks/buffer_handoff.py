@@ -1,7 +1,7 @@
 """GPU buffer hand-off to another process: gpu_serde vs cuda.core's multiprocessing path vs a copy
 through host memory, at 1 MiB, 64 MiB, 1 GiB and 4 GiB, from one run (needs a real GPU and CuPy).
 
-    python benchmarks/buffer_handoff.py
+    python benchmarks/buffer_handoff.py [--json PATH]
 
 The time runs from the sender's call to the receiver holding the data: the receiver's clock after
 it has mapped the buffer and read from it on the GPU (sender and receiver share the host's clock).
@@ -21,8 +21,9 @@ import multiprocessing
 import statistics
 import sys
 import time
+from typing import Any
 
-from _common import ipc_pool, machine, times
+from _common import ipc_pool, machine, parser, result, times, write_json
 
 SIZES = [("1 MiB", 1 << 20), ("64 MiB", 64 << 20), ("1 GiB", 1 << 30), ("4 GiB", 4 << 30)]
 REPEATS = 5
@@ -32,6 +33,12 @@ PATHS = [  # (name, gpu_serde installed, the pool keeps its freed memory)
     ("gpu_serde kept", True, True),
     ("cuda.core kept", False, True),
 ]
+SERIES = {  # the names in the JSON results (benchmarks/results/README.md)
+    "gpu_serde": "gpu_serde.default",
+    "cuda.core": "cuda_core.mp",
+    "gpu_serde kept": "gpu_serde.kept",
+    "cuda.core kept": "cuda_core.mp.kept",
+}
 
 
 def receiver(inbox, outbox) -> None:
@@ -95,7 +102,8 @@ def host_copy(dev, size: int) -> list[float]:
     return took
 
 
-def main() -> None:
+def run() -> list[dict[str, Any]]:
+    """Measure, print the table, and return the results as JSON rows."""
     from cuda.core import Device
 
     import gpu_serde
@@ -145,6 +153,51 @@ def main() -> None:
             f"| {r['size']} | {cells} | {r['host copy'] * 1e3:.1f} ms | {times(ratio)} | "
             f"{r['gpu_serde first'] * 1e3:.1f} ms |"
         )
+    out = []
+    for r in rows:
+        size = r["size"]
+        for name, _, _ in PATHS:
+            series = SERIES[name]
+            stat = f"median of {REPEATS}"
+            out.append(
+                result(
+                    "handoff",
+                    "multiprocessing",
+                    series,
+                    r[name],
+                    path="queue",
+                    size=size,
+                    stat=stat,
+                )
+            )
+            out.append(
+                result(
+                    "handoff_first",
+                    "multiprocessing",
+                    series,
+                    r[name + " first"],
+                    path="queue",
+                    size=size,
+                    stat="the pool's first hand-off",
+                )
+            )
+        out.append(
+            result(
+                "handoff",
+                "multiprocessing",
+                "host_copy",
+                r["host copy"],
+                path="in one process",
+                size=size,
+                stat=f"median of {REPEATS}",
+            )
+        )
+    return out
+
+
+def main() -> None:
+    args = parser(__doc__).parse_args()
+    write_json(args.json, "buffer_handoff", run())
 
 
 if __name__ == "__main__":

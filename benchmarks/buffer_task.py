@@ -1,7 +1,7 @@
 """GPU buffer as a Ray and a Dask task argument: gpu_serde vs a copy through host memory, at
 1 MiB, 64 MiB, 1 GiB and 4 GiB, from one run (needs a real GPU, CuPy, Ray and distributed).
 
-    python benchmarks/buffer_task.py [--engine ray|dask|both|all]
+    python benchmarks/buffer_task.py [--engine ray|dask|both|all] [--json PATH]
 
 (``all``, the default, then runs ``buffer_handoff.py``'s comparison with cuda.core's own
 multiprocessing path, so that every baseline comes from the same run.)
@@ -48,7 +48,6 @@ trips' ratio is printed too.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import statistics
@@ -58,7 +57,16 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from _common import interleaved_samples, ipc_pool, machine, paired_ci, times
+from _common import (
+    interleaved_samples,
+    ipc_pool,
+    machine,
+    paired_ci,
+    parser,
+    result,
+    times,
+    write_json,
+)
 
 SIZES = [("1 MiB", 1 << 20), ("64 MiB", 64 << 20), ("1 GiB", 1 << 30), ("4 GiB", 4 << 30)]
 #: the hand-off's 95% interval is the 23rd to the 39th of 61 differences; GPU_SERDE_BENCH_ROUNDS
@@ -248,7 +256,7 @@ def measure(
     return rows
 
 
-def run_ray() -> tuple[str, list[dict[str, Any]]]:
+def run_ray() -> tuple[str, str, list[dict[str, Any]]]:
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only
     import ray
 
@@ -268,10 +276,10 @@ def run_ray() -> tuple[str, list[dict[str, Any]]]:
         )
     finally:
         ray.shutdown()
-    return f"Ray {ray.__version__} task argument, to a warm num_gpus=0.5 actor", rows
+    return "ray", f"Ray {ray.__version__} task argument, to a warm num_gpus=0.5 actor", rows
 
 
-def run_dask() -> tuple[str, list[dict[str, Any]]]:
+def run_dask() -> tuple[str, str, list[dict[str, Any]]]:
     os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
     import warnings
 
@@ -306,7 +314,8 @@ def run_dask() -> tuple[str, list[dict[str, Any]]]:
             lambda: client.run(gc.collect),
             lambda: client.submit(sync_device, pure=False).result(timeout=TIMEOUT_S),
         )
-    return f"Dask distributed {distributed.__version__} task argument, to one worker process", rows
+    title = f"Dask distributed {distributed.__version__} task argument, to one worker process"
+    return "dask", title, rows
 
 
 def ms(seconds: float) -> str:
@@ -360,16 +369,62 @@ def table(title: str, rows: list[dict[str, Any]]) -> None:
     print()
 
 
+SERIES = {
+    "gpu_serde": "gpu_serde.new",
+    "gpu_serde kept": "gpu_serde.kept",
+    "host copy": "host_copy",
+}
+
+
+def json_rows(engine: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The results of one engine as JSON rows (benchmarks/results/README.md)."""
+    out = []
+    for r in rows:
+        size = r["size"]
+        for case, series in SERIES.items():
+            n = COPY_ROUNDS if case == "host copy" else ROUNDS
+            common = {"path": "task argument", "size": size}
+            out.append(
+                result(
+                    "handoff",
+                    engine,
+                    series,
+                    r[f"{case} hand-off"],
+                    low=r[f"{case} low"],
+                    high=r[f"{case} high"],
+                    stat=f"median over {n} rounds of the round trip minus the empty task's",
+                    **common,
+                )
+            )
+            out.append(result("round_trip", engine, series, r[case], stat="median", **common))
+            out.append(
+                result("round_trip", engine, f"empty:{series}", r[f"{case} empty"], **common)
+            )
+        out.append(
+            result(
+                "handoff_first",
+                engine,
+                "gpu_serde.new",
+                r["first"],
+                path="task argument",
+                size=size,
+                stat="the pool's first hand-off (a whole round trip)",
+            )
+        )
+    return out
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
+    parser_ = parser(__doc__)
+    parser_.add_argument(
         "--engine",
         choices=["ray", "dask", "both", "all"],
         default="all",
         help="all (default): Ray, Dask, then buffer_handoff.py's multiprocessing comparison with "
         "cuda.core's own path, in this same run",
     )
-    engines = parser.parse_args().engine
+    args = parser_.parse_args()
+    engines = args.engine
     from gpu_serde.inventory import inventory
 
     inv = inventory()
@@ -396,12 +451,15 @@ def main() -> None:
     from gpu_serde.broker import broker
 
     print(f"buffers still held for importers after the run: {broker().held()}", file=sys.stderr)
-    for title, rows in results:
+    out = []
+    for engine, title, rows in results:
         table(f"GPU buffer as a {title} ({dev.name}; {machine()})", rows)
+        out += json_rows(engine, rows)
     if engines == "all":
         import buffer_handoff
 
-        buffer_handoff.main()  # the same sizes over multiprocessing, against cuda.core's own path
+        out += buffer_handoff.run()  # the same sizes over multiprocessing, vs cuda.core's path
+    write_json(args.json, "buffer_task", out)
 
 
 if __name__ == "__main__":

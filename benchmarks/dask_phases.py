@@ -1,7 +1,7 @@
 """Where a Dask task with a GPU Buffer argument spends its time, against the same task with an int
 (needs a real GPU, CuPy and distributed).
 
-    python benchmarks/dask_phases.py
+    python benchmarks/dask_phases.py [--json PATH]
 
 One worker process of a LocalCluster whose scheduler runs in the client's (the exporter's) process.
 A 1 MiB Buffer from a pool that keeps its memory, or the int 0, goes to a task that reads the
@@ -20,7 +20,7 @@ import statistics
 import time
 from typing import Any
 
-from _common import interleaved, ipc_pool, machine
+from _common import interleaved, ipc_pool, machine, parser, result, write_json
 
 ROUNDS = 15
 SIZE = 1 << 20
@@ -79,6 +79,7 @@ def take_rebuild_times(dask_worker: Any) -> dict[str, list[float]]:
 
 
 def main() -> None:
+    args = parser(__doc__).parse_args()
     os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
     import dask
     import distributed
@@ -145,6 +146,7 @@ def main() -> None:
         "worker: rebuild (broker acquire) |"
     )
     print("|---|---|---|---|---|---|")
+    out = []
     for name, rows in phases.items():
         rows = rows[2:]  # warm-up
         cols = [statistics.median(c) * 1e3 for c in zip(*rows, strict=True)]
@@ -159,6 +161,28 @@ def main() -> None:
             f"| {name} | {sum(cols):.2f} ms | {cols[0]:.2f} ms | {cols[1]:.2f} ms | "
             f"{cols[2]:.2f} ms | {rebuild} |"
         )
+        parts = ["round trip", "submit to task start", "task", "task end to result"]
+        values = [sum(cols), *cols]
+        if got and len(got["rebuild"]) > 2:
+            parts += ["worker: rebuild", "worker: broker acquire"]
+            values += [
+                statistics.median(got["rebuild"][2:]) * 1e3,
+                statistics.median(got["acquire"][2:]) * 1e3,
+            ]
+        for part, ms in zip(parts, values, strict=True):
+            out.append(
+                result(
+                    "dask_phase",
+                    "dask",
+                    name,
+                    ms / 1e3,
+                    path="task argument",
+                    size="1 MiB",
+                    phase=part,
+                    stat="median",
+                )
+            )
+    write_json(args.json, "dask_phases", out)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Dask task round trip with a Device argument vs the same task with an int, from one run.
 
-    python benchmarks/dask_task.py
+    python benchmarks/dask_task.py [--json PATH]
 
 Target (issue 4): <= 1.05x. Each call is ``client.submit(f, arg, pure=False).result()`` on a warm
 local cluster of one worker process.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from _common import interleaved, machine, task_table, use_gpus
+from _common import interleaved, machine, parser, task_rows, task_table, use_gpus, write_json
 
 
 def touch(arg) -> int:
@@ -18,6 +18,7 @@ def touch(arg) -> int:
 
 
 def main() -> None:
+    args = parser(__doc__).parse_args()
     gpus = use_gpus()
     os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
     import distributed
@@ -55,6 +56,8 @@ def main() -> None:
     task_table(
         f"Dask distributed {distributed.__version__} task round trip ({gpus}; {machine()})", t
     )
+    path = "client.submit(f, arg).result()"
+    write_json(args.json, "dask_task", task_rows("dask", t, path))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The driver's own cost of handing a pool buffer to another process, by size (needs a real GPU).
 
-    python benchmarks/driver_costs.py
+    python benchmarks/driver_costs.py [--json PATH]
 
 No gpu_serde protocol here (the pool reaches a spawned child once, through gpu_serde; then only
 cuda.core's 64-byte descriptors travel, timed apart from the driver calls), so these are the floor
@@ -23,7 +23,7 @@ import pickle
 import statistics
 import time
 
-from _common import ipc_pool, machine
+from _common import ipc_pool, machine, parser, result, write_json
 
 SIZES = [("1 MiB", 1 << 20), ("64 MiB", 64 << 20), ("1 GiB", 1 << 30), ("4 GiB", 4 << 30)]
 REPEATS = 6
@@ -77,12 +77,17 @@ def rounds(dev, size, name, mr, unmap, inbox, outbox) -> tuple[float, float, flo
     return tuple(statistics.median(c) for c in zip(*times[1:], strict=True))
 
 
+STEPS = ("export.new", "export.kept", "map.new", "map.mapped", "unmap.new")
+
+
 def main() -> None:
+    args = parser(__doc__).parse_args()
     from cuda.core import Device
 
     import gpu_serde
 
     gpu_serde.install()
+    out = []
     dev = Device(0)
     dev.set_current()
     ctx = multiprocessing.get_context("spawn")
@@ -107,6 +112,18 @@ def main() -> None:
             (e_new, m_new, u_new), (e_kept, m_kept, _) = cells["new"], cells["kept"]
             row = [e_new, e_kept, m_new, m_kept, u_new]
             print(f"| {label} | " + " | ".join(f"{t * 1e3:.3f} ms" for t in row) + " |")
+            for step, t in zip(STEPS, row, strict=True):
+                out.append(
+                    result(
+                        "driver",
+                        "multiprocessing",
+                        step,
+                        t,
+                        size=label,
+                        stat=f"median of {REPEATS}",
+                    )
+                )
+        write_json(args.json, "driver_costs", out)
     finally:
         inbox.put(None)
         child.join(30)

@@ -1,6 +1,6 @@
 """Ray task round trip with a Device argument vs the same task with an int, from one run.
 
-    python benchmarks/ray_task.py
+    python benchmarks/ray_task.py [--json PATH]
 
 Target (issue 3): <= 1.05x. Each call is ``ray.get(f.remote(arg))`` on a warm local cluster.
 """
@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import os
 
-from _common import interleaved, machine, task_table, use_gpus
+from _common import interleaved, machine, parser, task_rows, task_table, use_gpus, write_json
 
 
 def main() -> None:
+    args = parser(__doc__).parse_args()
     gpus = use_gpus()
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only
     import ray
@@ -48,6 +49,7 @@ def main() -> None:
     finally:
         ray.shutdown()
     task_table(f"Ray {ray.__version__} task round trip ({gpus}; {machine()})", t)
+    write_json(args.json, "ray_task", task_rows("ray", t, "ray.get(f.remote(arg))"))
 
 
 if __name__ == "__main__":
