@@ -51,3 +51,15 @@ def vmm(*payload: Any) -> Any:
 def vbuf(*payload: Any) -> Any:
     """A ``VirtualMemoryResource`` buffer mapped here without a copy, or an ``UnresolvedObject``."""
     return rebuild(vbuf, payload)
+
+
+def arena(*payload: Any) -> Any:
+    """An ``ArenaMemoryResource``: its region mapped here once (an ``ImportedArena``), the
+    original back in its exporter, or an ``UnresolvedObject``."""
+    return rebuild(arena, payload)
+
+
+def abuf(*payload: Any) -> Any:
+    """An ``ArenaMemoryResource`` buffer: an offset in its region, mapped here once per process,
+    or an ``UnresolvedObject``."""
+    return rebuild(abuf, payload)
