@@ -29,7 +29,16 @@ from gpu_serde.handoff import BOOT_ID
 from gpu_serde.payload import encode_device
 from gpu_serde.vmm import options_payload
 
-RECONSTRUCTORS = [wire.dev, wire.pool, wire.buf, wire.vmo, wire.vmm, wire.vbuf]
+RECONSTRUCTORS = [
+    wire.dev,
+    wire.pool,
+    wire.buf,
+    wire.vmo,
+    wire.vmm,
+    wire.vbuf,
+    wire.arena,
+    wire.abuf,
+]
 TYPED = (PayloadError, DeviceNotVisibleError, HandoffError)
 
 
@@ -69,7 +78,7 @@ def test_strict_mode_raises_the_typed_error_at_unpickling(simulated_gpus, fn):
         gpu_serde.uninstall()
 
 
-# --- the fuzz: 100,000 mutated payloads through every reconstructor --------------------------
+# --- the fuzz: 100,000 mutated payloads through every reconstructor (arena and abuf too) --------------------------
 
 HOSTILE = [
     None,
@@ -109,6 +118,7 @@ def _valid(simulated_gpus) -> dict:
     dev = device_payload(Device(1))
     opts = options_payload(VirtualMemoryResourceOptions(peers=(0,))).wire()
     pool = (1, dev, bytes(16), "@gpu_serde-fuzz", bytes(16), bytes(range(16)))
+    region = (1, dev, bytes(16), "@gpu_serde-fuzz", bytes(16), bytes(range(16)), 1 << 22, bytes(64))
     return {
         wire.dev: dev,
         wire.pool: pool,
@@ -116,6 +126,8 @@ def _valid(simulated_gpus) -> dict:
         wire.vmo: opts,
         wire.vmm: (1, dev, opts),
         wire.vbuf: (1, (1, dev, opts), bytes(16), "@gpu_serde-fuzz", bytes(16), 4096, bytes(16)),
+        wire.arena: region,
+        wire.abuf: (1, region, 8192, 4096, bytes(16)),
     }
 
 
