@@ -552,8 +552,9 @@ def rebuild_buffer(payload: object) -> Buffer:
     mapped here once per process; the original back in its exporter.
 
     Raises:
-        PayloadError: malformed; TokenRefusedError: the exporter let go of it (also back home);
-        and as :func:`gpu_serde.regions.attach`, or HandoffError when the driver refuses.
+        PayloadError: malformed.
+        TokenRefusedError: the exporter let go of it (also back home).
+        HandoffError: as :func:`gpu_serde.regions.attach`, or the driver refused.
     """
     p = decode_abuf(payload)
     home = _home(p.region)

@@ -19,6 +19,9 @@ MODULES = [
     "gpu_serde.vmm",
     "gpu_serde.broker",
     "gpu_serde.broker_client",
+    "gpu_serde.arena",
+    "gpu_serde.regions",
+    "gpu_serde.ranges",
 ]
 
 
@@ -61,3 +64,22 @@ def test_the_testing_guides_buffer_pipeline_example_runs():
         [sys.executable, "-c", example], env=env, capture_output=True, text=True, timeout=180
     )
     assert done.stdout.strip() == "the worker read every byte", done.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("containing", "prints"),
+    [
+        ("LocalCluster", "the worker read three buffers of one region"),
+        ("ArenaFullError", "ArenaMemoryResource(device, size=16777216)"),
+    ],
+)
+def test_the_arena_examples_in_the_memory_guide_run(containing, prints):
+    from doc_blocks import python_blocks, run_block
+
+    from helpers import env_without_driver
+
+    blocks = [b for b in python_blocks("docs/memory.md", "ArenaMemoryResource") if containing in b]
+    assert len(blocks) == 1
+    env = env_without_driver()  # the example activates the simulated GPUs itself
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    assert prints in run_block(blocks[0], env)
