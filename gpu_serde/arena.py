@@ -61,7 +61,8 @@ class _Region:
     def __init__(self, dev: Device, size: int) -> None:
         self.ordinal = dev.device_id
         self.uuid = "GPU-" + dev.uuid
-        self.default_stream = int(dev.default_stream.handle)
+        with regions.context(self.ordinal):  # the device need not be current in this thread
+            self.default_stream = int(dev.default_stream.handle)
         self.size = align_up(size, regions.granularity(self.ordinal))
         self.base = regions.create(self.ordinal, self.size)
         self.id = secrets.token_bytes(16)
@@ -214,6 +215,27 @@ class _Region:
         regions.unmap(self.ordinal, self.base, self.size)
 
 
+# Closing a region takes the broker's lock and calls the driver: never inside a finalizer, which
+# may run during garbage collection while this very thread holds that lock. Finalizers only queue
+# the region; this thread (started with the first arena, in an ordinary call) closes it.
+_closing: queue.SimpleQueue[_Region] = queue.SimpleQueue()
+_closer: threading.Thread | None = None
+_closer_lock = threading.Lock()
+
+
+def _close_regions() -> None:
+    while True:
+        _closing.get().close()
+
+
+def _start_closer() -> None:
+    global _closer
+    with _closer_lock:
+        if _closer is None or not _closer.is_alive():
+            _closer = threading.Thread(target=_close_regions, name="gpu_serde-arena", daemon=True)
+            _closer.start()
+
+
 class ArenaMemoryResource(MemoryResource):
     """A memory resource whose buffers reach other processes with no driver call that grows with
     their size: one region of device memory, mapped once per receiving process, sub-allocated.
@@ -250,7 +272,10 @@ class ArenaMemoryResource(MemoryResource):
         dev = Device(device)
         self._device = dev
         self._r = region = _Region(dev, size)
-        weakref.finalize(self, region.close)
+        _start_closer()
+        # collected: the region is freed here (its importers keep their mappings); at exit the
+        # process's end frees it
+        weakref.finalize(self, _closing.put, region).atexit = False
 
     def allocate(self, size: int, stream: Stream | None = None) -> Buffer:
         """A buffer of ``size`` bytes from the region, allocated on ``stream`` (default: the
@@ -269,10 +294,11 @@ class ArenaMemoryResource(MemoryResource):
         ptr = r.take(size)
         if ptr is None:
             raise self._full(size)
-        s = stream if stream is not None else self._device.default_stream
-        r.streams[ptr] = s
         try:
-            return Buffer.from_handle(ptr, size, mr=self, stream=s)
+            with regions.context(r.ordinal):  # the device need not be current in this thread
+                s = stream if stream is not None else self._device.default_stream
+                r.streams[ptr] = s
+                return Buffer.from_handle(ptr, size, mr=self, stream=s)
         except Exception:
             r.streams.pop(ptr, None)
             r.frees.put((ptr, None))
