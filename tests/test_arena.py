@@ -326,6 +326,16 @@ extern "C" __global__ void spin(unsigned long long ns) {
 """
 
 
+def spin(dev, stream, ns: int) -> None:
+    """Queue a kernel on ``stream`` that keeps the GPU busy for ``ns`` nanoseconds (CuPy)."""
+    import cupy
+    import numpy as np
+
+    cupy.cuda.Device(dev.device_id).use()
+    with cupy.cuda.ExternalStream(int(stream.handle), dev.device_id):
+        cupy.RawKernel(SPIN, "spin")((1,), (1,), (np.uint64(ns),))
+
+
 def read_on_own_stream(buf) -> dict:
     """Job: copy the buffer to the host on a stream of this process's own; what it read."""
     import numpy as np
@@ -342,16 +352,21 @@ def read_on_own_stream(buf) -> dict:
     return {"first": int(host[0]), "every word the same": bool((host == host[0]).all())}
 
 
+@pytest.fixture
+def real_installed(real_gpu):
+    gpu_serde.install()
+    yield real_gpu
+    gpu_serde.uninstall()
+
+
 @pytest.mark.gpu
 def test_the_receiver_sees_what_the_sender_queued_on_its_stream_before_sending(
-    real_gpu, monkeypatch
+    real_installed, monkeypatch
 ):
-    import cupy
-    import numpy as np
     from cuda.bindings import driver
 
+    real_gpu = real_installed
     gib = 1 << 30
-    gpu_serde.install()
     dev = Device(len(real_gpu) - 1)
     dev.set_current()
     arena = ArenaMemoryResource(dev, gib)
@@ -361,13 +376,36 @@ def test_the_receiver_sees_what_the_sender_queued_on_its_stream_before_sending(
     stream.sync()  # what the memory held before
     with child(monkeypatch, real_gpu[-1].uuid) as run:
         run(check_all, [])  # the child is up and has started CUDA
-        cupy.cuda.Device(dev.device_id).use()
-        with cupy.cuda.ExternalStream(int(stream.handle), dev.device_id):
-            cupy.RawKernel(SPIN, "spin")((1,), (1,), (np.uint64(2_000_000_000),))  # 2 s
+        spin(dev, stream, 2_000_000_000)  # 2 s
         (err,) = driver.cuMemsetD32Async(int(buf.handle), 0xABCD, gib // 4, int(stream.handle))
         assert err == driver.CUresult.CUDA_SUCCESS
         # the test means something only if the write is still queued when the buffer is sent
         assert driver.cuStreamQuery(stream.handle)[0] == driver.CUresult.CUDA_ERROR_NOT_READY
         got = run(read_on_own_stream, buf)  # no synchronisation before sending
     assert got == {"first": 0xABCD, "every word the same": True}
-    gpu_serde.uninstall()
+
+
+@pytest.mark.gpu
+def test_a_block_freed_on_a_busy_stream_is_handed_out_only_after_that_streams_work(real_gpu):
+    import numpy as np
+    from cuda.bindings import driver
+
+    gib = 1 << 30
+    dev = Device(len(real_gpu) - 1)
+    dev.set_current()
+    arena = ArenaMemoryResource(dev, gib)
+    busy, other = dev.create_stream(), dev.create_stream()
+    a = arena.allocate(gib, stream=busy)
+    where = int(a.handle)
+    spin(dev, busy, 2_000_000_000)  # 2 s, then a write that is still queued when `a` is freed
+    (err,) = driver.cuMemsetD32Async(where, 1, gib // 4, int(busy.handle))
+    assert err == driver.CUresult.CUDA_SUCCESS
+    a.close()  # freed on `busy`, behind its work
+    b = arena.allocate(gib, stream=other)  # the same block: only once `busy` is done
+    assert int(b.handle) == where
+    (err,) = driver.cuMemsetD32Async(where, 2, gib // 4, int(other.handle))
+    other.sync()
+    busy.sync()
+    host = np.empty(gib // 4, dtype=np.uint32)
+    assert driver.cuMemcpyDtoH(host, where, gib)[0] == driver.CUresult.CUDA_SUCCESS
+    assert (host == 2).all()  # the old stream's write did not land on the new buffer
