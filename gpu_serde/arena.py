@@ -364,6 +364,12 @@ class ArenaMemoryResource(MemoryResource):
         return False
 
     @property
+    def is_ipc_enabled(self) -> bool:
+        """False: cuda.core's own IPC path cannot carry its buffers (without
+        ``gpu_serde.install()``, pickling one fails with cuda.core's error); gpu_serde's can."""
+        return False
+
+    @property
     def size(self) -> int:
         """The region's size in bytes (what was asked, rounded up to the granularity)."""
         return int(self._r.size)
@@ -512,6 +518,7 @@ class ImportedArenaMemory(MemoryResource):
 
 
 _imported: dict[bytes, ImportedArena] = {}  # region id -> this process's view of it
+os.register_at_fork(after_in_child=_imported.clear)  # a forked child maps nothing of its parent's
 
 
 def _home(p: RegionPayload) -> ArenaMemoryResource | None:
