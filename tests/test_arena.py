@@ -111,6 +111,9 @@ def send_back(buf) -> bytes:
 
 @pytest.fixture
 def gpu(tier, monkeypatch):
+    # this process's view of its GPUs (with its CUDA_VISIBLE_DEVICES) is taken once: take it
+    # before a test sets a child's CUDA_VISIBLE_DEVICES in the environment
+    gpu_serde.visible_devices()
     gpu_serde.install()
     short_release_grace(monkeypatch)  # these tests wait for blocks to be let go
     dev = Device(tier.ordinal)
@@ -354,6 +357,7 @@ def read_on_own_stream(buf) -> dict:
 
 @pytest.fixture
 def real_installed(real_gpu):
+    gpu_serde.visible_devices()  # as in `gpu`
     gpu_serde.install()
     yield real_gpu
     gpu_serde.uninstall()
