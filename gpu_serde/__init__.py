@@ -9,7 +9,8 @@ Public names::
     DeviceInfo, UnresolvedDevice, UnresolvedObject, canonical_uuid
     DeviceNotVisibleError, PayloadError, CompatibilityError, PlacementError
     HandoffError and its kinds: OtherHostError, ExporterGoneError, TokenRefusedError,
-    NotIPCEnabledError, HostCopyError (memory hand-off)
+    NotIPCEnabledError, HostCopyError, ArenaFullError (memory hand-off)
+    ArenaMemoryResource(device, size)     device memory whose buffers hand off as offsets
 
 Engine adapters live in :mod:`gpu_serde.ray` and :mod:`gpu_serde.dask`; simulated GPUs for
 CPU-only tests in :mod:`gpu_serde.testing`. ``docs/how-it-works.md`` shows the modules.
@@ -17,7 +18,9 @@ CPU-only tests in :mod:`gpu_serde.testing`. ``docs/how-it-works.md`` shows the m
 
 from gpu_serde import handled as _handled  # noqa: F401  (fills the tables: types, rebuilds)
 from gpu_serde._version import __version__
+from gpu_serde.arena import ArenaMemoryResource
 from gpu_serde.errors import (
+    ArenaFullError,
     CompatibilityError,
     DeviceNotVisibleError,
     ExporterGoneError,
@@ -36,6 +39,8 @@ from gpu_serde.placeholders import UnresolvedDevice, UnresolvedObject, resolve
 from gpu_serde.registry import install, uninstall
 
 __all__ = [
+    "ArenaFullError",
+    "ArenaMemoryResource",
     "CompatibilityError",
     "DeviceInfo",
     "DeviceNotVisibleError",

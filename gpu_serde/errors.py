@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from gpu_serde.identity import DeviceInfo
@@ -63,6 +63,51 @@ class OtherHostError(HandoffError):
 class HostCopyError(HandoffError):
     """A buffer could not be copied to host memory to travel to another host: the copy does not
     fit in the host's available memory, or the driver refused the copy."""
+
+
+class ArenaFullError(HandoffError, MemoryError):
+    """An :class:`~gpu_serde.ArenaMemoryResource` has no free block as large as asked: it is
+    full, too fragmented, or its memory is still held for importers.
+
+    A ``MemoryError`` (what running out of memory is in Python) and a :class:`HandoffError`
+    (gpu_serde's memory errors). The message says what was asked, what is free, the largest free
+    block, the region's size, the GPU, and the size to create the resource with instead.
+
+    Attributes:
+        requested: bytes asked for.
+        free: bytes free in the region (in blocks of any size).
+        largest: the largest free block, in bytes: the most one allocation can get now.
+        held: bytes of buffers sent and still held for importers (freed once they release them).
+        size: the region's size, in bytes.
+        uuid: the GPU's UUID (``GPU-...``).
+        suggested: a region size that would have room (``ArenaMemoryResource(device, size=...)``).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        requested: int = 0,
+        free: int = 0,
+        largest: int = 0,
+        held: int = 0,
+        size: int = 0,
+        uuid: str = "",
+        suggested: int = 0,
+    ) -> None:
+        super().__init__(message)
+        self.requested, self.free, self.largest, self.held = requested, free, largest, held
+        self.size, self.uuid, self.suggested = size, uuid, suggested
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # keeps the attributes across Ray and Dask (keyword-only arguments need a helper)
+        return (_arena_full, (str(self), self.__dict__.copy()))
+
+
+def _arena_full(message: str, attributes: dict[str, Any]) -> ArenaFullError:
+    error = ArenaFullError(message)
+    error.__dict__.update(attributes)
+    return error
 
 
 class CompatibilityError(RuntimeError):

@@ -18,7 +18,7 @@ from cuda.core import (
     VirtualMemoryResourceOptions,
 )
 
-from gpu_serde import device, handoff, pools, registry, vmm
+from gpu_serde import arena, device, handoff, pools, registry, vmm
 from gpu_serde.errors import HandoffError, NotIPCEnabledError
 
 #: A ``Buffer`` travels by the kind of its memory resource.
@@ -26,6 +26,7 @@ BUFFERS = {
     DeviceMemoryResource: pools.reduce_buffer,
     PinnedMemoryResource: pools.reduce_buffer,
     VirtualMemoryResource: vmm.reduce_buffer,
+    arena.ArenaMemoryResource: arena.reduce_buffer,
 }
 
 
@@ -51,7 +52,7 @@ def reduce_buffer(buf: Buffer) -> tuple[Any, ...]:
     raise NotIPCEnabledError(
         f"{buf!r} cannot be sent to another process without a copy: only buffers allocated "
         "from an IPC-enabled DeviceMemoryResource or PinnedMemoryResource (or a "
-        "VirtualMemoryResource) can"
+        "VirtualMemoryResource, or a gpu_serde.ArenaMemoryResource) can"
     )
 
 
@@ -61,3 +62,4 @@ registry.register(PinnedMemoryResource, pools.reduce_pool)
 registry.register(Buffer, reduce_buffer)
 registry.register(VirtualMemoryResource, vmm.reduce_resource)
 registry.register(VirtualMemoryResourceOptions, vmm.reduce_options)
+registry.register(arena.ArenaMemoryResource, arena.reduce_arena)

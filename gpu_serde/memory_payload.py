@@ -10,9 +10,12 @@ in wire order::
               addr_hint, addr_align, peers (device payloads), self_access, peer_access)
     vmm      (1, device payload | None (host memory), options)
     vbuf     (1, vmm, boot_id, broker address, hold token, size, descriptor token)
+    region   (1, device payload, boot_id, broker address, descriptor token, region id, size,
+              IPC event handle (64 bytes))                 an ArenaMemoryResource (wire.arena)
+    abuf     (1, region, offset, size, hold token)          one of its buffers (wire.abuf)
     hbuf     (1, device payload | None (pinned host memory), size, bytes (any contiguous
               bytes-like object of that size: a pickle-5 out-of-band buffer arrives as one))
-    pbuf     (1, zero-copy kind ("buf", "vbuf") | None, its payload | None, hbuf payload)
+    pbuf     (1, zero-copy kind ("buf", "vbuf", "abuf") | None, its payload | None, hbuf payload)
     unsent   (1, what (str), error type name (str), message (str)): an object its sender could
               not send, as a Dask serializer reports it (text of at most 4000 characters each)
 
@@ -27,8 +30,10 @@ from gpu_serde.payload import VERSION, fail, validate_device, version_error
 
 ADDRESS_MAX = 100
 IPC_DESCRIPTOR_BYTES = 64  # cuMemPoolExportPointer's opaque data: the driver reads all 64
+IPC_EVENT_BYTES = 64  # cuIpcGetEventHandle's opaque data (CUipcEventHandle)
+MAX_SIZE = 1 << 62  # no size or offset on the wire is this large
 MAX_PEERS = 64
-ZERO_COPY_KINDS = ("buf", "vbuf")  # what a portable buffer's zero-copy part may be
+ZERO_COPY_KINDS = ("buf", "vbuf", "abuf")  # what a portable buffer's zero-copy part may be
 _OPTION_TEXT = 32  # longest enum value accepted in VMM options
 _WORD = range(1, _OPTION_TEXT + 1)
 
@@ -116,6 +121,38 @@ class VbufPayload(NamedTuple):
             self.size,
             self.fd_token,
         )
+
+
+class RegionPayload(NamedTuple):
+    """An :class:`~gpu_serde.ArenaMemoryResource`'s region: its GPU, host, broker, the token for
+    its descriptor, its id and size, and its IPC event (the sender's work before a hand-off)."""
+
+    version: int
+    device: bytes
+    boot: bytes
+    address: str
+    token: bytes
+    region: bytes
+    size: int
+    event: bytes
+
+    def wire(self) -> tuple[Any, ...]:
+        """The plain tuple that travels."""
+        return tuple(self)
+
+
+class AbufPayload(NamedTuple):
+    """A buffer of an arena: its region, where it lies in it, and the token that holds it."""
+
+    version: int
+    region: RegionPayload
+    offset: int
+    size: int
+    hold: bytes
+
+    def wire(self) -> tuple[Any, ...]:
+        """The plain tuple that travels."""
+        return (self.version, self.region.wire(), self.offset, self.size, self.hold)
 
 
 def _fields(kind: str, p: object, n: int) -> tuple[Any, ...]:
@@ -248,6 +285,41 @@ def decode_vbuf(p: object) -> VbufPayload:
     if not _id16(hold) or not _id16(fd_token):
         raise fail("the tokens must be 16 bytes each", p)
     return VbufPayload(VERSION, resource, boot, address, hold, size, fd_token)
+
+
+def decode_region(p: object) -> RegionPayload:
+    """Validate an arena's region payload (what :func:`gpu_serde.wire.arena` carries).
+
+    Raises:
+        PayloadError: anything but a well-formed region payload of this version.
+    """
+    _, dev, boot, address, token, region, size, event = _fields("arena region", p, 8)
+    validate_device(dev)
+    validate_exporter(boot, address, p)
+    if not _id16(token) or not _id16(region):
+        raise fail("the token and the region id must be 16 bytes each", p)
+    if type(size) is not int or not 0 < size < MAX_SIZE:
+        raise fail("the region size must be a positive int", p)
+    if type(event) is not bytes or len(event) != IPC_EVENT_BYTES:
+        raise fail(f"the IPC event handle must be {IPC_EVENT_BYTES} bytes", p)
+    return RegionPayload(VERSION, dev, boot, address, token, region, size, event)
+
+
+def decode_abuf(p: object) -> AbufPayload:
+    """Validate an arena buffer's payload (what :func:`gpu_serde.wire.abuf` carries).
+
+    Raises:
+        PayloadError: anything else, or a buffer that does not lie inside its region.
+    """
+    _, region, offset, size, hold = _fields("arena buffer", p, 5)
+    r = decode_region(region)
+    if type(offset) is not int or type(size) is not int or offset < 0 or size <= 0:
+        raise fail("the offset must be an int >= 0 and the size a positive int", p)
+    if offset + size > r.size:
+        raise fail("the buffer does not lie inside its region", p)
+    if not _id16(hold):
+        raise fail("the hold token must be 16 bytes", p)
+    return AbufPayload(VERSION, r, offset, size, hold)
 
 
 class HostCopyPayload(NamedTuple):

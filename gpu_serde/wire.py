@@ -53,6 +53,18 @@ def vbuf(*payload: Any) -> Any:
     return rebuild(vbuf, payload)
 
 
+def arena(*payload: Any) -> Any:
+    """An ``ArenaMemoryResource``: its region mapped here once (an ``ImportedArena``), the
+    original back in its exporter, or an ``UnresolvedObject``."""
+    return rebuild(arena, payload)
+
+
+def abuf(*payload: Any) -> Any:
+    """An ``ArenaMemoryResource`` buffer: an offset in its region, mapped here once per process,
+    or an ``UnresolvedObject``."""
+    return rebuild(abuf, payload)
+
+
 def hbuf(*payload: Any) -> Any:
     """A ``Buffer`` sent by value (a host copy of its bytes): a new buffer here, on the same GPU if
     this process sees it, or an ``UnresolvedObject``."""

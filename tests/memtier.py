@@ -5,7 +5,7 @@ real one (1 GiB). Senders write the pattern with ``cuMemcpyHtoD`` and receivers 
 ``cuMemcpyDtoH``: driver calls that mean the same on both.
 
 The only gpu_serde internals the memory tests reach are here (re-point them when the core moves):
-``gpu_serde.handoff.RELEASE_GRACE_S`` and ``gpu_serde.broker.broker``.
+``gpu_serde.handoff.RELEASE_GRACE_S``, ``gpu_serde.broker.broker`` and ``gpu_serde.regions.maps``.
 """
 
 from __future__ import annotations
@@ -147,3 +147,10 @@ def short_release_grace(monkeypatch: pytest.MonkeyPatch, seconds: float = 0.5) -
     from gpu_serde import handoff
 
     monkeypatch.setattr(handoff, "RELEASE_GRACE_S", seconds)
+
+
+def regions_mapped() -> int:
+    """How many arena regions this process has mapped (each one once)."""
+    from gpu_serde import regions
+
+    return regions.maps

@@ -23,6 +23,9 @@ MODULES = [
     "gpu_serde.hostcopy",
     "gpu_serde.dask_transfer",
     "gpu_serde.ray_transport",
+    "gpu_serde.arena",
+    "gpu_serde.regions",
+    "gpu_serde.ranges",
 ]
 
 

@@ -67,6 +67,13 @@ def serve_numbers(inbox, outbox) -> None:
         del buf
 
 
+def used(mr) -> int:
+    """Bytes allocated from a pool or an ArenaMemoryResource."""
+    if isinstance(mr, gpu_serde.ArenaMemoryResource):
+        return mr.size - mr.free_bytes
+    return int(mr.attributes.used_mem_current)
+
+
 class Soak:
     """Counts hand-offs, samples both sides after the warm-up and at the end, and times them."""
 
@@ -102,9 +109,7 @@ class Soak:
         # every hold this soak made is let go (holds left by earlier tests may go meanwhile)
         assert wait_until(lambda: held() <= holds, 30)
         gc.collect()
-        assert wait_until(lambda: self.pool.attributes.used_mem_current == 0, 30), (
-            self.pool.attributes.used_mem_current
-        )
+        assert wait_until(lambda: used(self.pool) == 0, 30), used(self.pool)
         self.mark("end")
         print(f"\n{self.count} hand-offs: {per_1000:.2f} s per 1,000 after the warm-up")
         return per_1000
@@ -137,10 +142,21 @@ def pool(tier, monkeypatch):
     gpu_serde.uninstall()
 
 
-def test_multiprocessing_handoffs_leave_nothing_behind(pool, tier, monkeypatch):
+@pytest.fixture
+def arena(tier, monkeypatch):
+    gpu_serde.install()
+    short_release_grace(monkeypatch)
+    d = Device(tier.ordinal)
+    d.set_current()
+    yield gpu_serde.ArenaMemoryResource(d, 64 << 20)
+    gpu_serde.uninstall()
+
+
+@pytest.mark.parametrize("kind", ["pool", "arena"])
+def test_multiprocessing_handoffs_leave_nothing_behind(kind, request, tier, monkeypatch):
+    soak = Soak(request.getfixturevalue(kind), "multiprocessing")  # CUDA starts here first
     ctx = multiprocessing.get_context("spawn")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", tier.uuid)
-    soak = Soak(pool, "multiprocessing")
     inbox, outbox = ctx.Queue(), ctx.Queue()
     child = ctx.Process(target=serve_numbers, args=(inbox, outbox))
     child.start()

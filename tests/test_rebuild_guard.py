@@ -39,6 +39,8 @@ RECONSTRUCTORS = [
     wire.hbuf,
     wire.pbuf,
     wire.unsent,
+    wire.arena,
+    wire.abuf,
 ]
 TYPED = (PayloadError, DeviceNotVisibleError, HandoffError)
 
@@ -79,7 +81,7 @@ def test_strict_mode_raises_the_typed_error_at_unpickling(simulated_gpus, fn):
         gpu_serde.uninstall()
 
 
-# --- the fuzz: 100,000 mutated payloads through every reconstructor --------------------------
+# --- the fuzz: 100,000 mutated payloads through every reconstructor (arena and abuf too) --------------------------
 
 HOSTILE = [
     None,
@@ -119,6 +121,7 @@ def _valid(simulated_gpus) -> dict:
     dev = device_payload(Device(1))
     opts = options_payload(VirtualMemoryResourceOptions(peers=(0,))).wire()
     pool = (1, dev, bytes(16), "@gpu_serde-fuzz", bytes(16), bytes(range(16)))
+    region = (1, dev, bytes(16), "@gpu_serde-fuzz", bytes(16), bytes(range(16)), 1 << 22, bytes(64))
     return {
         wire.dev: dev,
         wire.pool: pool,
@@ -129,6 +132,8 @@ def _valid(simulated_gpus) -> dict:
         wire.hbuf: (1, dev, 4096, bytes(4096)),
         wire.pbuf: (1, "buf", (1, pool, bytes(64), 4096, bytes(16)), (1, dev, 4096, bytes(4096))),
         wire.unsent: (1, "Buffer", "HostCopyError", "it did not fit"),
+        wire.arena: region,
+        wire.abuf: (1, region, 8192, 4096, bytes(16)),
     }
 
 

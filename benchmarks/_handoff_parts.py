@@ -1,0 +1,226 @@
+"""What runs in every process of ``handoff_table.py``: making the object each path hands off, and
+receiving it. Imported by name in Ray workers, Dask workers and multiprocessing children (the
+benchmarks folder is on their ``sys.path``), so that each process keeps its arena, its pool and
+its scratch memory between calls.
+
+Paths (what crosses from sender to receiver):
+- ``int``: the int itself: the engine's own round trip, subtracted from every other path;
+- ``arena``: a Buffer of a gpu_serde ArenaMemoryResource (the new path);
+- ``arena-new``: the whole of a new ArenaMemoryResource: the first hand-off from a region;
+- ``pool``: a Buffer of an IPC-enabled DeviceMemoryResource that keeps its memory (release
+  threshold = its size), today's gpu_serde path;
+- ``torch``: a torch CUDA tensor, through whatever the engine does by default (Ray's object store,
+  torch.multiprocessing's CUDA IPC), or Ray Direct Transport ``cuda_ipc`` when the caller asks;
+- ``cupy``: a CuPy array (Dask's default for GPU arrays: distributed's serialization).
+
+Every object carries a marker: its first 4-byte word is set (by the sender, before it sends) to a
+value the caller picks, and the receiver reads that word back with ``cuMemcpyDtoH`` and returns it.
+The ``int`` path writes and reads the same 4 bytes of scratch memory, so that the subtraction
+leaves the hand-off alone.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+ARENA_SLACK = 1 << 30  # an arena's room beyond two buffers of the largest size
+_state: dict[str, Any] = {}
+
+
+def _dev() -> Any:
+    from cuda.core import Device
+
+    dev = Device(0)
+    dev.set_current()
+    return dev
+
+
+def _check(call: str, result: tuple) -> Any:
+    from cuda.bindings import driver
+
+    if result[0] != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{call} failed: {result[0]!r}")
+    return result[1] if len(result) > 1 else None
+
+
+def setup(max_size: int) -> str:
+    """Start CUDA here, install gpu_serde and make 4 bytes of scratch memory; a sender's arena
+    (room for two buffers of ``max_size``) and pool are made on first use. Idempotent. Returns
+    the process's pid."""
+    if _state.get("max_size") == max_size:
+        return str(os.getpid())
+    import gpu_serde
+    from gpu_serde import handoff
+
+    gpu_serde.install()
+    handoff.RELEASE_GRACE_S = 0.0  # a released buffer goes back at once (the benchmark reuses)
+    dev = _dev()
+    _state.clear()
+    _state["max_size"] = max_size
+    _state["scratch"] = dev.allocate(4, stream=dev.default_stream)
+    dev.default_stream.sync()
+    return str(os.getpid())
+
+
+def _memory(kind: str) -> Any:
+    """This sender's arena or pool, made the first time."""
+    if kind not in _state:
+        from _common import ipc_pool
+
+        import gpu_serde
+
+        dev, max_size = _dev(), _state["max_size"]
+        if kind == "arena":
+            room = 2 * max_size + min(ARENA_SLACK, max_size)
+            _state[kind] = gpu_serde.ArenaMemoryResource(dev, room)
+        else:
+            _state[kind] = ipc_pool(dev, 2 * max_size, keep=True)
+    return _state[kind]
+
+
+def _retry(allocate: Any) -> Any:
+    """Allocate, waiting up to 30 s for released memory (the last hand-off's importer releases
+    it in the background)."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return allocate()
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.002)
+
+
+def _mark(ptr: int, value: int) -> None:
+    from cuda.bindings import driver
+
+    _check("cuMemsetD32", driver.cuMemsetD32(ptr, value, 1))
+
+
+def make_object(path: str, size: int, value: int) -> Any:
+    """The object ``path`` hands off, ``size`` bytes, marked with ``value`` (see the module)."""
+    dev = _dev()
+    if path == "int":
+        _mark(int(_state["scratch"].handle), value)
+        return value
+    if path == "arena":
+        arena = _memory("arena")
+        obj = _retry(lambda: arena.allocate(size))
+    elif path == "arena-new":
+        import gpu_serde
+
+        # a new region each time (the previous one is freed once its importer released it)
+        arena = gpu_serde.ArenaMemoryResource(dev, size)
+        obj = arena.allocate(arena.size)
+    elif path == "pool":
+        pool = _memory("pool")
+        obj = _retry(lambda: pool.allocate(size, stream=dev.default_stream))
+        dev.default_stream.sync()
+    elif path == "torch":
+        import torch
+
+        if _state.get("torch size") != size:  # a new size: give the last one's cache back
+            _state.pop("torch", None)
+            torch.cuda.empty_cache()
+            _state["torch size"] = size
+        obj = torch.empty(size, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        _mark(obj.data_ptr(), value)
+        return obj
+    elif path == "cupy":
+        import cupy
+
+        obj = cupy.empty(size, dtype=cupy.uint8)
+        _mark(obj.data.ptr, value)
+        return obj
+    else:
+        raise ValueError(f"unknown path {path!r}")
+    _mark(int(obj.handle), value)
+    return obj
+
+
+def _pointer(obj: Any) -> tuple[int, Any]:
+    """The device address of what arrived, and how to let go of it."""
+    import gpu_serde
+
+    obj = gpu_serde.resolve(obj)
+    if hasattr(obj, "data_ptr"):  # torch
+        return obj.data_ptr(), None
+    if hasattr(obj, "data") and hasattr(obj.data, "ptr"):  # cupy
+        return obj.data.ptr, None
+    return int(obj.handle), obj.close  # a cuda.core Buffer: close it, as docs/memory.md advises
+
+
+def consume(obj: Any) -> int:
+    """Receive: read the marker of what arrived (for an int: the same read of scratch memory)."""
+    from cuda.bindings import driver
+
+    _dev()
+    word = bytearray(4)  # not a 1-element array: cuda-bindings 13.4 takes that for a scalar
+    if isinstance(obj, int):
+        ptr, close = int(_state["scratch"].handle), None
+    else:
+        ptr, close = _pointer(obj)
+    _check("cuMemcpyDtoH", driver.cuMemcpyDtoH(word, ptr, 4))
+    if close is not None:
+        close()
+    return obj if isinstance(obj, int) else int.from_bytes(word, "little")
+
+
+# ---- Ray: long-lived actors (made remote by the caller) and tasks ----
+class Sender:
+    """A Ray actor that prepares one object ahead (untimed) and hands it out in ``make``."""
+
+    def __init__(self, max_size: int) -> None:
+        setup(max_size)
+        self.ready: Any = None
+
+    def prepare(self, path: str, size: int, value: int) -> None:
+        self.ready = None
+        self.ready = make_object(path, size, value)
+
+    def make(self) -> Any:
+        obj, self.ready = self.ready, None
+        return obj
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class Receiver:
+    """A Ray actor that receives."""
+
+    def __init__(self, max_size: int) -> None:
+        setup(max_size)
+
+    def consume(self, obj: Any) -> int:
+        return consume(obj)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def make_task(path: str, size: int, value: int, max_size: int) -> Any:
+    """A Ray or Dask task that makes the object (its process keeps its memory between tasks)."""
+    setup(max_size)
+    return make_object(path, size, value)
+
+
+def consume_task(obj: Any, max_size: int) -> int:
+    """A Ray or Dask task that receives it."""
+    setup(max_size)
+    return consume(obj)
+
+
+# ---- multiprocessing: a warm spawned child ----
+def serve(inbox: Any, outbox: Any, max_size: int) -> None:
+    """The child: answers each object with its marker until it gets None."""
+    outbox.put(setup(max_size))
+    while True:
+        obj = inbox.get()
+        if obj is None:
+            return
+        outbox.put(consume(obj))
+        del obj

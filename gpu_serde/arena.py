@@ -1,0 +1,625 @@
+"""``ArenaMemoryResource``: one exported region, mapped once per importing process, sub-allocated;
+its buffers hand off as an offset, with no driver call that grows with their size. Reduce and
+rebuild side by side.
+
+The exporter makes one VMM region (:mod:`gpu_serde.regions`) and hands out blocks of it
+(:mod:`gpu_serde.ranges`). The region travels as its GPU's UUID, the host, a token for its
+descriptor at the exporter's broker, its id and size, and an IPC event; a buffer as its region plus
+an offset, a size and a hold token. The receiver maps the region the first time it sees it and
+keeps it mapped; every later buffer is a broker round trip (the hold), a wait for the sender's event
+and a ``Buffer`` at ``base + offset``.
+
+Ordering: pickling a buffer records the region's event on the stream the buffer was allocated on
+(after waiting for its previous recording, so the event follows every hand-off before it), and the
+receiver waits for the event before it hands the buffer out.
+
+Lifetime: the exporter holds each sent buffer with its broker until every importer released it
+(plus the grace period); a block closed while held is given back to the allocator only then. A
+freed block is reused once the work on the stream it was freed on is done (an event per free).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import secrets
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from cuda.bindings import driver
+from cuda.core import Buffer, Device, EventOptions, MemoryResource, Stream
+
+from gpu_serde import broker as _broker
+from gpu_serde import handoff, regions, wire
+from gpu_serde.device import device_payload
+from gpu_serde.errors import ArenaFullError, HandoffError, TokenRefusedError
+from gpu_serde.memory_payload import RegionPayload, decode_abuf, decode_region
+from gpu_serde.payload import VERSION
+from gpu_serde.placeholders import define
+from gpu_serde.ranges import Ranges, align_up
+
+#: region id -> the arena that exports it, in this process (back home, a payload is the original)
+_exported: weakref.WeakValueDictionary[bytes, ArenaMemoryResource] = weakref.WeakValueDictionary()
+
+
+def _human(n: int) -> str:
+    """``n`` bytes for a message: ``3.0 MiB (3,145,728 bytes)``."""
+    size, unit = float(n), "bytes"
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            break
+        size /= 1024
+    return f"{n:,} bytes" if unit == "bytes" else f"{size:.1f} {unit} ({n:,} bytes)"
+
+
+class _Region:
+    """The exporter's state of one region, apart from the resource (its finalizer frees it)."""
+
+    def __init__(self, dev: Device, size: int) -> None:
+        self.ordinal = dev.device_id
+        self.uuid = "GPU-" + dev.uuid
+        with regions.context(self.ordinal):  # the device need not be current in this thread
+            self.default_stream = int(dev.default_stream.handle)
+        self.size = align_up(size, regions.granularity(self.ordinal))
+        self.base = regions.create(self.ordinal, self.size)
+        self.id = secrets.token_bytes(16)
+        self.ranges = Ranges(self.size)
+        self.lock = threading.Lock()  # held, deferred, pending, the payload; never in a free
+        self.event, self.event_bytes = self._new_event()
+        self.wire: tuple[Any, ...] | None = None  # the region payload, made at the first send
+        self.tokens: list[bytes] = []  # the broker's token for the descriptor
+        self.streams: dict[int, Stream] = {}  # block address -> the stream it was allocated on
+        self.held: dict[int, int] = {}  # block address -> holds for importers
+        self.deferred: dict[int, Any] = {}  # address -> free's event: closed while held
+        self.pending: list[tuple[int, Any]] = []  # (address, event): freed, its stream busy
+        self.frees: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()  # from deallocate
+        self.spare: list[Any] = []  # events to record frees with
+        self.recording = threading.Lock()
+
+    def _new_event(self) -> tuple[Any, bytes]:
+        try:
+            return regions.ipc_event(self.ordinal)
+        except Exception:
+            regions.unmap(self.ordinal, self.base, self.size)
+            raise
+
+    def payload(self) -> tuple[Any, ...]:
+        """The region's wire payload: its descriptor offered to the broker the first time."""
+        with self.lock:
+            if self.wire is None:
+                b = _broker.broker()
+                fd = regions.export(self.ordinal, self.base)
+                try:
+                    self.tokens.append(b.offer(fd))
+                finally:
+                    os.close(fd)
+                p = RegionPayload(
+                    VERSION,
+                    device_payload(Device(self.ordinal)),
+                    handoff.BOOT_ID,
+                    b.address,
+                    self.tokens[0],
+                    self.id,
+                    self.size,
+                    self.event_bytes,
+                )
+                self.wire = p.wire()
+            return self.wire
+
+    def record(self, ptr: int) -> None:
+        """Record the region's event after the work on block ``ptr``'s stream (and after every
+        earlier recording)."""
+        stream = self.streams.get(ptr)
+        handle = int(stream.handle) if stream is not None else self.default_stream
+        with self.recording, regions.context(self.ordinal):
+            try:
+                regions.record_after(self.event, handle)
+            except HandoffError:  # the stream was destroyed: whatever ran on it is queued
+                driver.cuCtxSynchronize()
+                regions.record_after(self.event, self.default_stream)
+
+    def hold(self, ptr: int) -> None:
+        with self.lock:
+            self.held[ptr] = self.held.get(ptr, 0) + 1
+
+    def released(self, ptr: int) -> None:
+        """The broker let go of a hold on block ``ptr`` (its importers released it)."""
+        with self.lock:
+            left = self.held.get(ptr, 0) - 1
+            if left > 0:
+                self.held[ptr] = left
+                return
+            self.held.pop(ptr, None)
+            if ptr in self.deferred:  # closed while held: free now
+                self.pending.append((ptr, self.deferred.pop(ptr)))
+
+    def freed(self, ptr: int, stream: Any) -> None:
+        """Block ``ptr`` was freed on ``stream`` (from ``deallocate``: any thread, maybe during
+        garbage collection): record an event there and queue it. Never raises, takes no lock."""
+        event = None
+        with contextlib.suppress(Exception), regions.context(self.ordinal):
+            try:
+                event = self.spare.pop()
+            except IndexError:
+                event = regions.plain_event(self.ordinal)
+            handle = int(stream.handle) if stream is not None else self.default_stream
+            regions.check("cuEventRecord", driver.cuEventRecord(event, handle))
+        self.streams.pop(ptr, None)
+        self.frees.put((ptr, event))
+
+    def _drain(self) -> None:
+        """Move queued frees on (to deferred while held, else to pending); call with the lock."""
+        while True:
+            try:
+                ptr, event = self.frees.get_nowait()
+            except queue.Empty:
+                return
+            if self.held.get(ptr):
+                self.deferred[ptr] = event
+            else:
+                self.pending.append((ptr, event))
+
+    def _reclaim(self, wait: bool) -> None:
+        """Give the allocator back every pending block whose stream has done its work (``wait``:
+        wait for all of them); call with the lock."""
+        if not self.pending:
+            return
+        keep = []
+        with regions.context(self.ordinal):
+            for ptr, event in self.pending:
+                if event is None:  # no event was recorded: the whole device
+                    if not wait:
+                        keep.append((ptr, event))
+                        continue
+                    driver.cuCtxSynchronize()
+                elif wait:
+                    driver.cuEventSynchronize(event)
+                elif not regions.done(event):
+                    keep.append((ptr, event))
+                    continue
+                self.ranges.give(ptr - self.base)
+                if event is not None:
+                    self.spare.append(event)
+        self.pending = keep
+
+    def take(self, nbytes: int) -> int | None:
+        """A free block of ``nbytes``: its address, or None."""
+        with self.lock:
+            self._drain()
+            self._reclaim(wait=False)
+            offset = self.ranges.take(nbytes)
+            if offset is None and self.pending:
+                self._reclaim(wait=True)
+                offset = self.ranges.take(nbytes)
+            return None if offset is None else self.base + offset
+
+    def stats(self) -> dict[str, int]:
+        with self.lock:
+            self._drain()
+            self._reclaim(wait=False)
+            taken = self.ranges.taken()
+            held = sum(taken.get(ptr - self.base, 0) for ptr in {*self.held, *self.deferred})
+            return {"free": self.ranges.free, "largest": self.ranges.largest_free, "held": held}
+
+    def close(self) -> None:
+        """Free the region here (when its resource is collected, or at exit). Never raises."""
+        with contextlib.suppress(Exception):
+            b = _broker.broker()
+            for token in self.tokens:
+                b.revoke(token)
+        events = [self.event, *self.spare, *(e for _, e in self.pending if e is not None)]
+        regions.destroy(self.ordinal, events)
+        regions.unmap(self.ordinal, self.base, self.size)
+
+
+# Closing a region takes the broker's lock and calls the driver: never inside a finalizer, which
+# may run during garbage collection while this very thread holds that lock. Finalizers only queue
+# the region; this thread (started with the first arena, in an ordinary call) closes it.
+_closing: queue.SimpleQueue[_Region] = queue.SimpleQueue()
+_closer: threading.Thread | None = None
+_closer_lock = threading.Lock()
+
+
+def _close_regions() -> None:
+    while True:
+        _closing.get().close()
+
+
+def _start_closer() -> None:
+    global _closer
+    with _closer_lock:
+        if _closer is None or not _closer.is_alive():
+            _closer = threading.Thread(target=_close_regions, name="gpu_serde-arena", daemon=True)
+            _closer.start()
+
+
+class ArenaMemoryResource(MemoryResource):
+    """A memory resource whose buffers reach other processes with no driver call that grows with
+    their size: one region of device memory, mapped once per receiving process, sub-allocated.
+
+    Create it like a ``DeviceMemoryResource`` and allocate from it; its buffers are plain cuda.core
+    ``Buffer`` objects. Pickled (task arguments and results, ``ray.put``, Dask futures, a
+    ``multiprocessing.Queue``) in a process where gpu_serde is installed, a buffer travels as an
+    offset in the region: the first buffer a process receives from a region maps the region there
+    (the one-time cost, which grows with the region's size); every later one costs a round trip to
+    the exporter's broker and no mapping. See ``docs/memory.md``.
+
+    Args:
+        device: the GPU (a ``Device`` or an ordinal of this process).
+        size: the region's size in bytes, rounded up to the driver's granularity (2 MiB on an
+            H200). All of it is allocated at once and stays allocated while the resource lives.
+
+    Raises:
+        TypeError: ``size`` is not an int.
+        ValueError: ``size`` is not positive.
+        HandoffError: the driver refused the region (the message names its error, e.g.
+            ``CUDA_ERROR_OUT_OF_MEMORY``).
+
+    Rules (``docs/memory.md``): a buffer is allocated on a stream (``allocate(size, stream)``,
+    default: the device's default stream); write it on that stream, or order other work before it,
+    before you send it. The exporter keeps a sent buffer's block until every importer released it,
+    even if you close the buffer; receivers keep the region mapped for their life.
+    """
+
+    def __init__(self, device: Device | int, size: int) -> None:
+        if not isinstance(size, int) or isinstance(size, bool):
+            raise TypeError(f"ArenaMemoryResource(size=...): an int, not {type(size).__name__}")
+        if size <= 0:
+            raise ValueError(f"ArenaMemoryResource(size=...) must be positive, not {size}")
+        dev = Device(device)
+        self._device = dev
+        self._r = region = _Region(dev, size)
+        _start_closer()
+        # collected: the region is freed here (its importers keep their mappings); at exit the
+        # process's end frees it
+        weakref.finalize(self, _closing.put, region).atexit = False
+
+    def allocate(self, size: int, stream: Stream | None = None) -> Buffer:
+        """A buffer of ``size`` bytes from the region, allocated on ``stream`` (default: the
+        device's default stream). Its deallocation and its hand-offs are ordered on that stream.
+
+        Raises:
+            ArenaFullError: no free block is that large (the message says what is free and what
+                size to create the resource with).
+            TypeError, ValueError: ``size`` is not a positive int.
+        """
+        if not isinstance(size, int) or isinstance(size, bool):
+            raise TypeError(f"allocate(size) takes an int, not {type(size).__name__}")
+        if size <= 0:
+            raise ValueError(f"allocate(size) must be positive, not {size}")
+        r = self._r
+        ptr = r.take(size)
+        if ptr is None:
+            raise self._full(size)
+        try:
+            with regions.context(r.ordinal):  # the device need not be current in this thread
+                s = stream if stream is not None else self._device.default_stream
+                r.streams[ptr] = s
+                return Buffer.from_handle(ptr, size, mr=self, stream=s)
+        except Exception:
+            r.streams.pop(ptr, None)
+            r.frees.put((ptr, None))
+            raise
+
+    def deallocate(self, ptr: Any, size: int, stream: Any = None) -> None:
+        """Give a buffer's block back, ordered after the work on ``stream``: it is reused once
+        that work is done, and, if it was sent, once every importer released it. Never raises
+        (it may run during garbage collection, in any thread)."""
+        self._r.freed(int(ptr), stream)
+
+    def _full(self, asked: int) -> ArenaFullError:
+        r, stats = self._r, self._r.stats()
+        gran = regions.granularity(r.ordinal)
+        suggested = align_up(max(2 * r.size, r.size + align_up(asked)), gran)
+        held = (
+            f"; {_human(stats['held'])} of it are buffers sent and still held for importers "
+            "(freed once they release them)"
+            if stats["held"]
+            else ""
+        )
+        message = (
+            f"ArenaMemoryResource on GPU {r.uuid} (device {r.ordinal}) cannot allocate "
+            f"{_human(asked)}: {_human(stats['free'])} free, the largest free block "
+            f"{_human(stats['largest'])}, in a region of {_human(r.size)}{held}. Close buffers "
+            "you no longer need (receivers too: close what you received), or create a larger "
+            f"one: ArenaMemoryResource(device, size={suggested})"
+        )
+        return ArenaFullError(
+            message,
+            requested=asked,
+            free=stats["free"],
+            largest=stats["largest"],
+            held=stats["held"],
+            size=r.size,
+            uuid=r.uuid,
+            suggested=suggested,
+        )
+
+    @property
+    def device(self) -> Device:
+        """The GPU the region lives on."""
+        return self._device
+
+    @property
+    def device_id(self) -> int:
+        """The GPU's ordinal in this process."""
+        return int(self._r.ordinal)
+
+    @property
+    def is_device_accessible(self) -> bool:
+        """True: device memory."""
+        return True
+
+    @property
+    def is_host_accessible(self) -> bool:
+        """False: device memory."""
+        return False
+
+    @property
+    def is_managed(self) -> bool:
+        """False: not managed memory."""
+        return False
+
+    @property
+    def is_ipc_enabled(self) -> bool:
+        """False: cuda.core's own IPC path cannot carry its buffers (without
+        ``gpu_serde.install()``, pickling one fails with cuda.core's error); gpu_serde's can."""
+        return False
+
+    @property
+    def size(self) -> int:
+        """The region's size in bytes (what was asked, rounded up to the granularity)."""
+        return int(self._r.size)
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes not allocated (in blocks of any size; freed blocks count once their stream's
+        work is done)."""
+        return self._r.stats()["free"]
+
+    @property
+    def largest_free_block(self) -> int:
+        """The largest block one allocation can get now, in bytes."""
+        return self._r.stats()["largest"]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return reduce_arena(self)
+
+    def __repr__(self) -> str:
+        return (
+            f"<ArenaMemoryResource {_human(self._r.size)} on GPU {self._r.uuid} "
+            f"(device {self._r.ordinal})>"
+        )
+
+
+def reduce_arena(mr: ArenaMemoryResource) -> tuple[Any, ...]:
+    """Reducer for ``ArenaMemoryResource``: ``(gpu_serde.wire.arena, (region payload,))``.
+
+    Raises:
+        HandoffError: the driver refused to export the region.
+    """
+    payload = mr._r.payload()
+    _exported[mr._r.id] = mr
+    return (wire.arena, (payload,))
+
+
+class ImportedArena(MemoryResource):
+    """An arena's region as mapped in a receiving process: what ``gpu_serde.wire.arena`` gives
+    there, and the ``.arena`` of every buffer received from it. It reads like the arena (device,
+    size) and cannot allocate. The region stays mapped for the process's life."""
+
+    def __init__(self, region: regions.Region) -> None:
+        self._region = region
+
+    def allocate(self, size: int, stream: Stream | None = None) -> Buffer:
+        """Refused: the region belongs to its exporter.
+
+        Raises:
+            TypeError: always; allocate in the exporting process and send the buffer.
+        """
+        raise TypeError(
+            "an arena received from another process cannot allocate: allocate from the "
+            "ArenaMemoryResource in the exporting process and send the buffer"
+        )
+
+    def deallocate(self, ptr: Any, size: int, stream: Any = None) -> None:
+        """Nothing to do: no buffer is allocated from it here."""
+
+    @property
+    def device_id(self) -> int:
+        """This process's ordinal of the region's GPU."""
+        return self._region.ordinal
+
+    @property
+    def is_device_accessible(self) -> bool:
+        """True: device memory."""
+        return True
+
+    @property
+    def is_host_accessible(self) -> bool:
+        """False: device memory."""
+        return False
+
+    @property
+    def is_mapped(self) -> bool:
+        """True: the memory is mapped from another process."""
+        return True
+
+    @property
+    def size(self) -> int:
+        """The region's size in bytes."""
+        return self._region.size
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (wire.arena, (self._region.wire,))  # travels on as it came
+
+    def __repr__(self) -> str:
+        return f"<ImportedArena {_human(self._region.size)} (device {self._region.ordinal})>"
+
+
+class ImportedArenaMemory(MemoryResource):
+    """The memory resource of a buffer received from an arena (``buf.memory_resource`` in the
+    receiver; ``.arena`` is the region's :class:`ImportedArena`). It cannot allocate.
+
+    Freeing the buffer tells the exporter, which may then reuse the block: ``buf.close(stream)``
+    (or ``buf.close()``: the device's default stream) once an event after the work on that stream
+    has completed; a buffer collected without ``close`` once the whole device is idle. The region
+    stays mapped.
+    """
+
+    def __init__(self, arena: ImportedArena, key: int) -> None:
+        self.arena = arena  #: the region it lies in
+        self._key = key
+        self._user: weakref.ref[Any] | None = None
+
+    def allocate(self, size: int, stream: Stream | None = None) -> Buffer:
+        """Refused, as :meth:`ImportedArena.allocate`.
+
+        Raises:
+            TypeError: always.
+        """
+        return self.arena.allocate(size, stream)
+
+    def deallocate(self, ptr: Any, size: int, stream: Any = None) -> None:
+        """Queue the exporter's release after the work on ``stream``. Never raises (it may run
+        during garbage collection, in any thread)."""
+        closed = self._user is not None and self._user() is not None  # dead during collection
+        event: object = handoff.WHOLE_DEVICE
+        if closed and isinstance(stream, Stream):
+            with contextlib.suppress(Exception):
+                event = stream.record(options=EventOptions(blocking_sync=True))
+        handoff.queue_release(self._key, event)
+
+    @property
+    def device_id(self) -> int:
+        """This process's ordinal of the region's GPU."""
+        return self.arena.device_id
+
+    @property
+    def is_device_accessible(self) -> bool:
+        """True: device memory."""
+        return True
+
+    @property
+    def is_host_accessible(self) -> bool:
+        """False: device memory."""
+        return False
+
+    @property
+    def is_mapped(self) -> bool:
+        """True: the memory is mapped from another process."""
+        return True
+
+    def __repr__(self) -> str:
+        return f"<ImportedArenaMemory of {self.arena!r}>"
+
+
+_imported: dict[bytes, ImportedArena] = {}  # region id -> this process's view of it
+os.register_at_fork(after_in_child=_imported.clear)  # a forked child maps nothing of its parent's
+
+
+def _home(p: RegionPayload) -> ArenaMemoryResource | None:
+    """The arena that exports this region, if this process is its exporter."""
+    mr = _exported.get(p.region)
+    return mr if mr is not None and _broker.is_own(p.address) else None
+
+
+def _imported_arena(p: RegionPayload, wire_payload: tuple[Any, ...]) -> ImportedArena:
+    region = regions.attach(p, wire_payload)
+    mr = _imported.get(region.id)
+    if mr is None:
+        mr = _imported.setdefault(region.id, ImportedArena(region))
+    return mr
+
+
+def rebuild_arena(payload: object) -> MemoryResource:
+    """Rebuild body of :func:`gpu_serde.wire.arena`: the region mapped here (an
+    :class:`ImportedArena`), or the original arena back in its exporter.
+
+    Raises:
+        PayloadError: malformed; and as :func:`gpu_serde.regions.attach`.
+    """
+    p = decode_region(payload)
+    home = _home(p)
+    if home is not None:
+        return home
+    return _imported_arena(p, payload)  # type: ignore[arg-type]  # a tuple: decode checked
+
+
+define(wire.arena, "ArenaMemoryResource", rebuild_arena)
+
+
+def reduce_buffer(buf: Buffer, mr: ArenaMemoryResource) -> tuple[Any, ...]:
+    """Reducer body for a buffer of an :class:`ArenaMemoryResource`:
+    ``(gpu_serde.wire.abuf, (payload,))``. Keeps ``buf`` (and its block) for its importers, and
+    records the region's event after the work on the buffer's stream.
+
+    Raises:
+        HandoffError: the driver refused to export the region or record the event.
+    """
+    r = mr._r
+    region = r.payload()
+    _exported[r.id] = mr
+    ptr = int(buf.handle)
+
+    def make() -> tuple[bytes, tuple[Any, ...]]:
+        r.hold(ptr)
+        let_go: Callable[[object], None] = lambda _obj: r.released(ptr)  # noqa: E731
+        try:
+            token = _broker.broker().hold(buf, let_go, grace=handoff.RELEASE_GRACE_S)
+        except Exception:
+            r.released(ptr)
+            raise
+        return token, (VERSION, region, ptr - r.base, buf.size, token)  # AbufPayload's form
+
+    payload = handoff.sent_payload(buf, make)
+    r.record(ptr)
+    return (wire.abuf, (payload,))
+
+
+def rebuild_buffer(payload: object) -> Buffer:
+    """Rebuild body of :func:`gpu_serde.wire.abuf`: the buffer at its offset in its region,
+    mapped here once per process; the original back in its exporter.
+
+    Raises:
+        PayloadError: malformed.
+        TokenRefusedError: the exporter let go of it (also back home).
+        HandoffError: as :func:`gpu_serde.regions.attach`, or the driver refused.
+    """
+    p = decode_abuf(payload)
+    home = _home(p.region)
+    if home is not None:
+        held = _broker.broker().peek(p.hold)
+        if held is None:
+            raise TokenRefusedError(
+                "this arena buffer came back to its exporter after every importer released it: "
+                "send it again"
+            )
+        return held  # the original buffer
+    arena = _imported_arena(p.region, payload[1])  # type: ignore[index]  # decode checked
+    region = arena._region
+    address = p.region.address
+    handoff.start_release_thread()
+    _broker.acquire(address, p.hold)
+    key = handoff.new_key()
+    handoff.hold_import(key, address, p.hold, region.ordinal)
+    try:
+        region.wait()  # the sender's work before the hand-off
+        Device(region.ordinal).set_current()
+        mr = ImportedArenaMemory(arena, key)
+        buf = Buffer.from_handle(region.base + p.offset, p.size, mr=mr)
+        mr._user = weakref.ref(buf)
+    except Exception as exc:
+        if handoff.drop_import(key) is not None:
+            _broker.release(address, p.hold)
+        if isinstance(exc, HandoffError):
+            raise
+        raise HandoffError(f"receiving the arena buffer failed: {exc}") from exc
+    handoff.track_import(buf, (wire.abuf, (payload,)), key)
+    return buf
+
+
+define(wire.abuf, "Buffer", rebuild_buffer)

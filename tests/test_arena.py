@@ -1,0 +1,415 @@
+"""ArenaMemoryResource: its buffers cross processes as offsets in one region that each receiver
+maps once; on simulated GPUs (CPU tier, 4 MiB buffers) and on the real GPU (``pytest -m gpu``,
+1 GiB buffers).
+
+Each receiver has another CUDA_VISIBLE_DEVICES (the GPU's UUID) and reads every word of the
+pattern back with ``cuMemcpyDtoH``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import multiprocessing
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+from cuda.core import Device
+from memtier import (
+    check,
+    fill,
+    ray_by_value,
+    regions_mapped,
+    short_release_grace,
+    wait_until,
+)
+
+import gpu_serde
+from gpu_serde import ArenaFullError, ArenaMemoryResource
+
+KEPT: dict = {}  # what a child keeps between jobs
+
+
+def serve(inbox, outbox) -> None:
+    """A long-lived receiver: runs each job on its argument and answers (an exception by name)."""
+    gpu_serde.install()
+    while (item := inbox.get(timeout=300)) is not None:
+        job, arg = item
+        try:
+            outbox.put(job(arg))
+        except Exception as exc:
+            outbox.put({"error": type(exc).__name__, "message": str(exc)})
+        del item, arg
+        gc.collect()
+
+
+@contextlib.contextmanager
+def child(monkeypatch, uuid: str, **env: str):
+    """A spawned receiver that sees only the GPU ``uuid`` (its ordinal 0); yields ``run(job,
+    arg)``, which sends the job and waits for its answer."""
+    ctx = multiprocessing.get_context("spawn")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", uuid)  # the UUID form, not "0"
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    process = ctx.Process(target=serve, args=(inbox, outbox))
+    process.start()
+
+    def run(job, arg):
+        inbox.put((job, arg))
+        return outbox.get(timeout=300)
+
+    try:
+        yield run
+    finally:
+        inbox.put(None)
+        process.join(60)
+
+
+def keep(buf) -> dict:
+    """Job: check the buffer and keep it until ``drop``."""
+    KEPT["buf"] = gpu_serde.resolve(buf)
+    return check(KEPT["buf"])
+
+
+def drop(_) -> bool:
+    """Job: close the kept buffer (on the device's default stream)."""
+    KEPT.pop("buf").close()
+    return True
+
+
+def check_all(bufs) -> dict:
+    """Job: check each buffer; how many regions this process has mapped."""
+    got = [check(b) for b in bufs]
+    return {"ok": [g["ok"] for g in got], "maps": regions_mapped()}
+
+
+def describe_arena(mr) -> dict:
+    """Job: what a received ArenaMemoryResource is here."""
+    mr = gpu_serde.resolve(mr)
+    try:
+        mr.allocate(1 << 20)
+        refuses = False
+    except TypeError:
+        refuses = True
+    return {
+        "type": type(mr).__name__,
+        "device": mr.device_id,
+        "size": mr.size,
+        "refuses to allocate": refuses,
+        "again": pickle.loads(pickle.dumps(mr)) is mr,  # one per region and process
+    }
+
+
+def send_back(buf) -> bytes:
+    """Job: pickle a received buffer to send it on."""
+    return pickle.dumps(gpu_serde.resolve(buf))
+
+
+@pytest.fixture
+def gpu(tier, monkeypatch):
+    # this process's view of its GPUs (with its CUDA_VISIBLE_DEVICES) is taken once: take it
+    # before a test sets a child's CUDA_VISIBLE_DEVICES in the environment
+    gpu_serde.visible_devices()
+    gpu_serde.install()
+    short_release_grace(monkeypatch)  # these tests wait for blocks to be let go
+    dev = Device(tier.ordinal)
+    dev.set_current()
+    yield dev
+    gpu_serde.uninstall()
+
+
+def test_an_arena_buffer_reaches_a_child_with_other_cuda_visible_devices(gpu, tier, monkeypatch):
+    arena = ArenaMemoryResource(gpu, tier.size)
+    buf = arena.allocate(tier.size)
+    fill(buf)
+    with child(monkeypatch, tier.uuid) as run:
+        got = run(check, buf)
+    assert got["ok"] and got["size"] == tier.size and got["pid"] != os.getpid()
+    assert got["device"] == 0  # the child's ordinal of the same GPU
+
+
+def test_a_child_maps_the_region_once_for_all_its_buffers(gpu, tier, monkeypatch):
+    arena = ArenaMemoryResource(gpu, tier.size)
+    bufs = [arena.allocate(tier.size // 4) for _ in range(4)]
+    for buf in bufs:
+        fill(buf)
+    with child(monkeypatch, tier.uuid) as run:
+        first = run(check_all, bufs[:3])
+        later = run(check_all, bufs[3:])
+    assert first == {"ok": [True] * 3, "maps": 1}
+    assert later == {"ok": [True], "maps": 1}  # a later buffer maps nothing
+
+
+def test_a_buffer_allocated_on_a_stream_of_its_own_reaches_a_child(gpu, tier, monkeypatch):
+    arena = ArenaMemoryResource(gpu, tier.size)
+    stream = gpu.create_stream()
+    buf = arena.allocate(tier.size // 2, stream=stream)  # its hand-offs are ordered on it
+    fill(buf)
+    with child(monkeypatch, tier.uuid) as run:
+        got = run(check, buf)
+    assert got["ok"] and got["size"] == tier.size // 2
+
+
+def test_a_full_arena_raises_arena_full_error_that_says_how_big_to_make_it(gpu, tier):
+    arena = ArenaMemoryResource(gpu, tier.size)
+    kept = arena.allocate(tier.size // 2)
+    with pytest.raises(ArenaFullError) as info:
+        arena.allocate(tier.size)
+    e = info.value
+    assert isinstance(e, MemoryError) and isinstance(e, gpu_serde.HandoffError)
+    assert (e.requested, e.free, e.largest, e.size) == (
+        tier.size,
+        arena.size - tier.size // 2,
+        arena.size - tier.size // 2,
+        arena.size,
+    )
+    assert e.uuid == tier.uuid and e.suggested >= arena.size + tier.size
+    assert f"ArenaMemoryResource(device, size={e.suggested})" in str(e)
+    assert tier.uuid in str(e) and f"{tier.size:,} bytes" in str(e)
+    kept.close()
+
+
+def test_a_block_an_importer_holds_is_reused_only_after_it_closed_it(gpu, tier, monkeypatch):
+    arena = ArenaMemoryResource(gpu, tier.size)
+    buf = arena.allocate(arena.size)
+    fill(buf)
+    where = int(buf.handle)
+    with child(monkeypatch, tier.uuid) as run:
+        assert run(keep, buf)["ok"]
+        buf.close()  # the sender is done with it; the child is not
+        with pytest.raises(ArenaFullError) as info:
+            arena.allocate(arena.size)  # the block is not handed out while the child holds it
+        assert info.value.held == arena.size
+        assert run(drop, None)  # the child closes it (and lives on)
+        again: list = []
+
+        def reused() -> bool:
+            with contextlib.suppress(ArenaFullError):
+                again.append(arena.allocate(arena.size))
+            return bool(again)
+
+        assert wait_until(reused)
+    assert int(again[0].handle) == where
+
+
+def test_an_arena_reaches_a_child_as_an_imported_arena_that_cannot_allocate(gpu, tier, monkeypatch):
+    arena = ArenaMemoryResource(gpu, tier.size)
+    with child(monkeypatch, tier.uuid) as run:
+        got = run(describe_arena, arena)
+    assert got == {
+        "type": "ImportedArena",
+        "device": 0,
+        "size": arena.size,
+        "refuses to allocate": True,
+        "again": True,
+    }
+
+
+def test_a_received_buffer_sent_back_is_the_exporters_own(gpu, tier, monkeypatch):
+    arena = ArenaMemoryResource(gpu, tier.size)
+    buf = arena.allocate(tier.size // 2)
+    with child(monkeypatch, tier.uuid) as run:
+        back = run(send_back, buf)
+    assert pickle.loads(back) is buf  # it travelled on as it came
+
+
+def test_an_arena_and_its_buffers_come_back_to_their_exporter_as_its_own(gpu, tier):
+    arena = ArenaMemoryResource(gpu, tier.size)
+    buf = arena.allocate(tier.size // 2)
+    assert pickle.loads(pickle.dumps(buf)) is buf
+    assert pickle.loads(pickle.dumps(arena)) is arena
+
+
+def test_memory_from_another_host_is_the_typed_error(gpu, tier, monkeypatch):
+    arena = ArenaMemoryResource(gpu, tier.size)
+    buf = arena.allocate(tier.size // 2)
+    with child(monkeypatch, tier.uuid, GPU_SERDE_HOST_ID="another-host") as run:
+        got = run(check, buf)
+    assert got["error"] == "OtherHostError" and "another host" in got["message"]
+
+
+def test_a_killed_exporter_gives_exporter_gone_error(gpu, tier):
+    code = (
+        "import pickle, sys, gpu_serde\n"
+        "from cuda.core import Device\n"
+        "gpu_serde.install(); d = Device(0); d.set_current()\n"
+        "arena = gpu_serde.ArenaMemoryResource(d, 4 << 20)\n"
+        "print(pickle.dumps(arena.allocate(1 << 20)).hex(), flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=tier.uuid)
+    exporter = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    blob = bytes.fromhex(exporter.stdout.readline().strip())
+    exporter.kill()
+    exporter.wait(30)
+    got = pickle.loads(blob)  # never raises: the error waits for use
+    with pytest.raises(gpu_serde.ExporterGoneError):
+        gpu_serde.resolve(got)
+
+
+@pytest.fixture(scope="module")
+def ray_session(tier):
+    import ray
+
+    import gpu_serde.ray
+
+    ray_by_value(__name__)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CUDA_VISIBLE_DEVICES", tier.uuid)  # the node's one GPU is the tier's
+        gpu_serde.ray.init(
+            address="local", num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False
+        )
+    yield ray
+    ray.shutdown()
+
+
+def test_a_ray_actor_receives_arena_buffers_and_maps_the_region_once(ray_session, gpu, tier):
+    ray = ray_session
+
+    @ray.remote(num_gpus=0.5)
+    class Consumer:
+        def check(self, bufs):
+            return check_all(bufs)
+
+    arena = ArenaMemoryResource(gpu, tier.size)
+    bufs = [arena.allocate(tier.size // 2) for _ in range(2)]
+    for buf in bufs:
+        fill(buf)
+    consumer = Consumer.remote()
+    got = [ray.get(consumer.check.remote([b]), timeout=300) for b in bufs]
+    ray.kill(consumer)
+    assert got == [{"ok": [True], "maps": 1}, {"ok": [True], "maps": 1}]
+
+
+def test_a_dask_worker_receives_an_arena_buffer(gpu, tier):
+    from distributed import Client, LocalCluster
+
+    import gpu_serde.dask
+
+    arena = ArenaMemoryResource(gpu, tier.size)
+    buf = arena.allocate(tier.size)
+    fill(buf)
+    with (
+        LocalCluster(
+            n_workers=1,
+            threads_per_worker=1,
+            host="127.0.0.1",
+            dashboard_address=":0",
+            env={"CUDA_VISIBLE_DEVICES": tier.uuid},
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        gpu_serde.dask.register(client)
+        got = client.submit(check, buf, pure=False).result(timeout=300)
+    assert got["ok"] and got["size"] == tier.size and got["pid"] != os.getpid()
+    assert got["device"] == 0
+
+
+# ---- the real GPU only: the receiver's work sees the sender's queued work -------------------
+
+SPIN = r"""
+extern "C" __global__ void spin(unsigned long long ns) {
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        __nanosleep(100000);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < ns);
+}
+"""
+
+
+def spin(dev, stream, ns: int) -> None:
+    """Queue a kernel on ``stream`` that keeps the GPU busy for ``ns`` nanoseconds (CuPy)."""
+    import cupy
+    import numpy as np
+
+    cupy.cuda.Device(dev.device_id).use()
+    with cupy.cuda.ExternalStream(int(stream.handle), dev.device_id):
+        cupy.RawKernel(SPIN, "spin")((1,), (1,), (np.uint64(ns),))
+
+
+def read_on_own_stream(buf) -> dict:
+    """Job: copy the buffer to the host on a stream of this process's own; what it read."""
+    import numpy as np
+    from cuda.bindings import driver
+
+    buf = gpu_serde.resolve(buf)
+    dev = Device(buf.device_id)
+    dev.set_current()
+    stream = dev.create_stream()
+    host = np.empty(buf.size // 4, dtype=np.uint32)
+    (err,) = driver.cuMemcpyDtoHAsync(host, int(buf.handle), buf.size, int(stream.handle))
+    assert err == driver.CUresult.CUDA_SUCCESS, err
+    stream.sync()
+    return {"first": int(host[0]), "every word the same": bool((host == host[0]).all())}
+
+
+@pytest.fixture
+def real_installed(real_gpu):
+    gpu_serde.visible_devices()  # as in `gpu`
+    gpu_serde.install()
+    yield real_gpu
+    gpu_serde.uninstall()
+
+
+@pytest.mark.gpu
+def test_the_receiver_sees_what_the_sender_queued_on_its_stream_before_sending(
+    real_installed, monkeypatch
+):
+    from cuda.bindings import driver
+
+    real_gpu = real_installed
+    gib = 1 << 30
+    dev = Device(len(real_gpu) - 1)
+    dev.set_current()
+    arena = ArenaMemoryResource(dev, gib)
+    stream = dev.create_stream()
+    buf = arena.allocate(gib, stream=stream)
+    (err,) = driver.cuMemsetD32Async(int(buf.handle), 1, gib // 4, int(stream.handle))
+    stream.sync()  # what the memory held before
+    with child(monkeypatch, real_gpu[-1].uuid) as run:
+        run(check_all, [])  # the child is up and has started CUDA
+        spin(dev, stream, 2_000_000_000)  # 2 s
+        (err,) = driver.cuMemsetD32Async(int(buf.handle), 0xABCD, gib // 4, int(stream.handle))
+        assert err == driver.CUresult.CUDA_SUCCESS
+        # the test means something only if the write is still queued when the buffer is sent
+        assert driver.cuStreamQuery(stream.handle)[0] == driver.CUresult.CUDA_ERROR_NOT_READY
+        got = run(read_on_own_stream, buf)  # no synchronisation before sending
+    assert got == {"first": 0xABCD, "every word the same": True}
+
+
+@pytest.mark.gpu
+def test_a_block_freed_on_a_busy_stream_is_handed_out_only_after_that_streams_work(real_gpu):
+    import numpy as np
+    from cuda.bindings import driver
+
+    gib = 1 << 30
+    dev = Device(len(real_gpu) - 1)
+    dev.set_current()
+    arena = ArenaMemoryResource(dev, gib)
+    busy, other = dev.create_stream(), dev.create_stream()
+    a = arena.allocate(gib, stream=busy)
+    where = int(a.handle)
+    spin(dev, busy, 2_000_000_000)  # 2 s, then a write that is still queued when `a` is freed
+    (err,) = driver.cuMemsetD32Async(where, 1, gib // 4, int(busy.handle))
+    assert err == driver.CUresult.CUDA_SUCCESS
+    a.close()  # freed on `busy`, behind its work
+    b = arena.allocate(gib, stream=other)  # the same block: only once `busy` is done
+    assert int(b.handle) == where
+    (err,) = driver.cuMemsetD32Async(where, 2, gib // 4, int(other.handle))
+    other.sync()
+    busy.sync()
+    host = np.empty(gib // 4, dtype=np.uint32)
+    assert driver.cuMemcpyDtoH(host, where, gib)[0] == driver.CUresult.CUDA_SUCCESS
+    assert (host == 2).all()  # the old stream's write did not land on the new buffer
