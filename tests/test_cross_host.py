@@ -28,11 +28,9 @@ def received(buf) -> dict:
 
     got = check(buf)
     resource = type(gpu_serde.resolve(buf).memory_resource).__name__
-    return {
-        **got,
-        "mapped": resource == "ImportedMemory",
-        "uploaded": hostcopy.counts()["uploaded"],
-    }
+    uploaded = hostcopy.counts()["uploaded"]
+    # mapped: ImportedMemory (a pool's), ImportedArenaMemory (an arena's)
+    return {**got, "mapped": resource.startswith("Imported"), "uploaded": uploaded}
 
 
 def make(size: int):
@@ -45,6 +43,20 @@ def make(size: int):
     mr = DeviceMemoryResource(d, DeviceMemoryResourceOptions(ipc_enabled=True, max_size=4 * size))
     pools.append(mr)
     buf = mr.allocate(size, stream=d.default_stream)
+    fill(buf)
+    return buf
+
+
+def make_in_arena(size: int):
+    """Runs in the exporter: a filled buffer from an ArenaMemoryResource it keeps."""
+    import builtins
+
+    d = Device(0)
+    d.set_current()
+    arenas = builtins.__dict__.setdefault("_test_arenas", [])
+    if not arenas:
+        arenas.append(gpu_serde.ArenaMemoryResource(d, 8 * size))
+    buf = arenas[0].allocate(size, stream=d.default_stream)
     fill(buf)
     return buf
 
@@ -93,6 +105,15 @@ def test_a_result_consumed_on_its_exporters_host_arrives_mapped_without_a_copy(d
     assert got["ok"] and got["mapped"] and got["uploaded"] == 0
     assert after["to_host"] == before["to_host"]  # no copy was made
     assert after["held"] == before["held"] + 1  # the exporter holds it for the importer
+
+
+def test_an_arena_buffer_reaches_another_host_by_value_and_its_own_mapped(dask_hosts, tier):
+    client, by = dask_hosts
+    made = client.submit(make_in_arena, tier.size, workers=[by["a1"]], pure=False)
+    here = client.submit(received, made, workers=[by["a2"]], pure=False).result(timeout=300)
+    there = client.submit(received, made, workers=[by["b1"]], pure=False).result(timeout=300)
+    assert there["ok"] and not there["mapped"]
+    assert here["ok"] and here["mapped"]
 
 
 def test_a_buffer_scattered_to_another_host_arrives_by_value(dask_hosts, tier, pool_here):
