@@ -135,7 +135,36 @@ STYLE = {  # series: (label, colour, line style, marker); the same in every pane
         "P",
     ),
     "dask.cupy": ("Dask's own serialization, CuPy (worker to worker)", "#ef6c00", ":", "X"),
+    "gpu_serde.arena": ("gpu_serde ArenaMemoryResource", "#0d47a1", "-", "*"),
+    "torch.mp": ("torch.multiprocessing, CUDA IPC (torch)", "#ef6c00", "--", "d"),
 }
+ARENA_PANELS = [  # the hand-off table of one handoff_table.py run: (title, engine, path, series)
+    (
+        "Ray: actor to actor",
+        "ray",
+        "actor to actor",
+        ["gpu_serde.arena", "gpu_serde.kept", "ray_rdt.cuda_ipc.torch", "engine_default.torch"],
+    ),
+    (
+        "Ray: task to task",
+        "ray",
+        "task to task",
+        ["gpu_serde.arena", "gpu_serde.kept", "engine_default.torch"],
+    ),
+    (
+        "Dask: worker to worker",
+        "dask",
+        "worker to worker",
+        ["gpu_serde.arena", "gpu_serde.kept", "dask.cupy"],
+    ),
+    (
+        "multiprocessing.Queue",
+        "multiprocessing",
+        "queue",
+        ["gpu_serde.arena", "gpu_serde.kept", "torch.mp"],
+    ),
+]
+ARENA_SIZES = [*SIZES, (16 << 30, "16 GiB")]
 PANELS = [  # (title, engine, [(series, path), ...])
     (
         "multiprocessing.Queue, to a warm child",
@@ -347,6 +376,72 @@ def plot_overhead(runs: list[Run], out: str) -> list[Run]:
     return [p["run"] for p in points]
 
 
+def handoff_table_run(runs: list[Run]) -> Run | None:
+    """The newest real-GPU run of ``handoff_table.py`` (its table comes from one run)."""
+    found = [r for r in runs if r.real_gpu and r.doc.get("benchmark") == "handoff_table"]
+    return found[-1] if found else None
+
+
+def plot_arena(runs: list[Run], out: str) -> list[Run]:
+    """Write the arena plot (issue 22's table, one run) to ``out``; return the run it drew."""
+    run = handoff_table_run(runs)
+    if run is None:
+        return []
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 4, figsize=(13, 6), sharey=True)
+    drawn: dict[str, Any] = {}
+    for ax, (title, engine, path, series) in zip(axes, ARENA_PANELS, strict=True):
+        for name in series:
+            label, colour, line, marker = STYLE[name]
+            rows = rows_of(run, metric="handoff", engine=engine, series=name, path=path)
+            # Dask's round trip moves by about 1 ms between rounds: a median below the plot's
+            # floor (or below zero) is drawn at the floor
+            rows = [{**r, "value": max(r["value"], 0.06e-3)} for r in rows]
+            xs, ys, lo, hi = _points(rows)
+            if not xs:
+                continue
+            drawn[name] = ax.errorbar(
+                xs,
+                ys,
+                yerr=[lo, hi],
+                color=colour,
+                ls=line,
+                marker=marker,
+                ms=8,
+                lw=2.4 if name == "gpu_serde.arena" else 1.6,
+                capsize=3,
+                label=label,
+            )
+        ax.set_title(title, fontsize=12.5)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(
+            [s for s, _ in ARENA_SIZES], [n for _, n in ARENA_SIZES], rotation=35, ha="right"
+        )
+        ax.minorticks_off()
+        ax.set_xlim(ARENA_SIZES[0][0] / 1.6, ARENA_SIZES[-1][0] * 1.6)
+        ax.grid(True, which="major", color="#dddddd", lw=0.8)
+        ax.set_xlabel("buffer size")
+    axes[0].set_ylabel("added to the engine's round trip (ms, log scale)")
+    axes[0].set_ylim(0.05, 2e4)
+    ticks = [0.1, 1, 10, 100, 1e3, 1e4]
+    axes[0].set_yticks(ticks, ["0.1", "1", "10", "100", "1,000", "10,000"])
+    order = [name for name in STYLE if name in drawn]
+    fig.legend(
+        [drawn[n] for n in order],
+        [STYLE[n][0] for n in order],
+        loc="lower center",
+        ncol=3,
+        fontsize=11,
+        frameon=False,
+        bbox_to_anchor=(0.5, 0.02),
+    )
+    fig.tight_layout(rect=(0, 0.14, 1, 1))
+    fig.savefig(out, metadata={"Date": None})
+    plt.close(fig)
+    return [run]
+
+
 # --- the tables ----------------------------------------------------------------------------------
 
 
@@ -468,6 +563,90 @@ def headlines(runs: list[Run]) -> tuple[str, list[Run]]:
     return "\n".join(lines), used
 
 
+def arena_table(runs: list[Run]) -> str:
+    """Issue 22's headline numbers from the newest ``handoff_table.py`` run (Markdown)."""
+    run = handoff_table_run(runs)
+    if run is None:
+        return "No run of `benchmarks/handoff_table.py` on a real GPU yet."
+
+    def value(engine: str, path: str, series: str, size: int, metric: str = "handoff") -> Any:
+        for r in rows_of(run, metric=metric, engine=engine, series=series, path=path):
+            if r.get("size_bytes") == size:
+                return r["value"]
+        return None
+
+    def cell(v: Any) -> str:
+        return "not run" if v is None else _ms(v)
+
+    lines = [
+        "| from a process to another | arena, 1 MiB | 1 GiB | 16 GiB | first hand-off from a new "
+        "1 GiB region | at 1 GiB: pool that keeps memory | the engine's other ways |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    others = {
+        "ray_rdt.cuda_ipc.torch": "RDT cuda_ipc",
+        "engine_default.torch": "default (torch)",
+        "dask.cupy": "default (CuPy)",
+        "torch.mp": "torch.multiprocessing",
+    }
+    for title, engine, path, series in ARENA_PANELS:
+        arena = [value(engine, path, "gpu_serde.arena", s) for s in (1 << 20, GIB, 16 * GIB)]
+        first = value(engine, path, "gpu_serde.arena", GIB, "handoff_first")
+        kept = value(engine, path, "gpu_serde.kept", GIB)
+        theirs = []
+        for name in series[2:]:
+            v = value(engine, path, name, GIB)
+            if v is not None:
+                ratio = f" ({_times(v / arena[1])})" if arena[1] and arena[1] > 0.05e-3 else ""
+                theirs.append(f"{others[name]} {_ms(v)}{ratio}")
+        lines.append(
+            f"| {title} | " + " | ".join(cell(v) for v in arena) + f" | {cell(first)} | "
+            f"{cell(kept)} | {'; '.join(theirs) or '-'} |"
+        )
+    lines += [
+        "",
+        f"One run of `benchmarks/handoff_table.py` on {run.machine()}, {run.date}: what each "
+        "hand-off adds to the engine's round trip with an int (median of 31 interleaved rounds; "
+        "the slow defaults: 3 rounds). In brackets: that time over the arena's at 1 GiB. A "
+        "negative median is below the engine's own noise.",
+    ]
+    return "\n".join(lines)
+
+
+def cross_host_table(runs: list[Run]) -> str:
+    """The newest ``cross_host.py`` run: gpu_serde beside the engine moving a host array."""
+    found = [r for r in runs if r.real_gpu and r.doc.get("benchmark") == "cross_host"]
+    if not found:
+        return "No run of `benchmarks/cross_host.py` on a real GPU yet."
+    run = found[-1]
+    lines = [
+        "| to a worker on another host | size | gpu_serde | by hand: the engine moves a host array "
+        "+ device-to-host + host-to-device copies | ratio |",
+        "|---|---|---|---|---|",
+    ]
+    keys = sorted(
+        {(r["engine"], r["path"]) for r in rows_of(run, metric="cross_host")},
+        key=lambda k: (k[0], k[1]),
+    )
+    for engine, path in keys:
+        for size, name in SIZES:
+            got = {
+                r["series"]: r["value"]
+                for r in rows_of(run, metric="cross_host", engine=engine, path=path)
+                if r["size_bytes"] == size
+            }
+            if "gpu_serde" not in got:
+                continue
+            parts = f"{_ms(got['host_array'])} + {_ms(got['dtoh'])} + {_ms(got['htod'])}"
+            ratio = got["gpu_serde"] / got["baseline"] if got["baseline"] > 0 else float("nan")
+            lines.append(
+                f"| {engine.capitalize()}, {path} | {name} | {_ms(got['gpu_serde'])} | "
+                f"{_ms(got['baseline'])} ({parts}) | {ratio:.2f}x |"
+            )
+    lines += ["", f"One run of `benchmarks/cross_host.py` on {run.machine()}, {run.date}."]
+    return "\n".join(lines)
+
+
 def sources(runs: list[Run]) -> str:
     """The list of data files by machine and versions, newest first (Markdown)."""
     groups: dict[tuple[str, str], list[Run]] = {}
@@ -513,10 +692,17 @@ def main(argv: list[str] | None = None) -> int:
         out = scratch if args.check else args.out  # --check: draw them, keep the page's
         plot_handoff(runs, os.path.join(out, "perf-handoff.svg"))
         plot_overhead(runs, os.path.join(out, "perf-task-overhead.svg"))
+        plot_arena(runs, os.path.join(out, "perf-arena.svg"))
     table, _ = headlines(runs)
     with open(PAGE, encoding="utf-8") as f:
         page = f.read()
-    filled = fill(page, {"headlines": table, "sources": sources(runs)})
+    sections = {
+        "headlines": table,
+        "arena": arena_table(runs),
+        "cross_host": cross_host_table(runs),
+        "sources": sources(runs),
+    }
+    filled = fill(page, sections)
     if args.check:
         if filled != page:
             print(
@@ -529,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
     if filled != page:
         with open(PAGE, "w", encoding="utf-8") as f:
             f.write(filled)
-    print(f"{len(runs)} data files -> {out}/perf-handoff.svg, perf-task-overhead.svg; {PAGE}")
+    print(f"{len(runs)} data files -> {out}/perf-*.svg; {PAGE}")
     return 0
 
 
