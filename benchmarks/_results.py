@@ -1,7 +1,10 @@
 """The result rows (benchmarks/results/README.md's format) of ``handoff_table.py`` and
 ``cross_host.py``, from the raw record each writes: one place that names their series.
 
-    python benchmarks/_results.py RAW.json OUT.json   # convert a raw record written by --raw-json
+    python benchmarks/_results.py RAW.json OUT.json
+
+converts a raw record (``handoff_table.py --raw-json``, or a record of either written before their
+``--json`` wrote this format) into a results file.
 """
 
 from __future__ import annotations
@@ -124,8 +127,13 @@ def document(
 ) -> dict[str, Any]:
     """A results file: ``rows`` with the raw record's machine and versions."""
     machine = raw.get("machine", {})
+    versions = dict(raw.get("versions", {}))
     if isinstance(machine, str):  # cross_host.py's one line, and its "gpus" line
         gpus = str(raw.get("gpus", ""))
+        for name, pattern in (("python", r"Python (\S+?),"), ("cuda-core", r"cuda-core (\S+)")):
+            found = re.search(pattern, machine)
+            if found and name not in versions:
+                versions[name] = found.group(1)
         machine = {
             "description": machine,
             "simulated": "simulated" in gpus,
@@ -134,7 +142,6 @@ def document(
     machine = dict(machine)
     if "gpu" in raw and isinstance(raw["gpu"], dict):
         machine.update(gpu=raw["gpu"].get("name"), simulated=raw["gpu"].get("simulated", False))
-    versions = dict(raw.get("versions", {}))
     if "driver" in versions:  # NVRM's line: keep the version number
         found = re.search(r"\d+\.\d+(\.\d+)?", str(versions.pop("driver")))
         machine["driver"] = found.group(0) if found else None

@@ -29,7 +29,9 @@ import sys
 import time
 from typing import Any
 
+import _results
 import numpy as np
+from _common import _versions as versions
 from _common import machine, use_gpus
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # Ray on loopback only
@@ -297,10 +299,18 @@ def main() -> None:
             f"{r['host_array_ms']:.2f} ms | {r['dtoh_ms']:.2f} ms | {r['htod_ms']:.2f} ms | "
             f"{r['baseline_ms']:.2f} ms | {r['ratio']:.2f}x ({verdict}) |"
         )
-    if args.json:
+    if args.json:  # the results format (benchmarks/results/README.md)
+        raw = {
+            "gpus": gpus,
+            "machine": machine(),
+            "versions": versions(),
+            "date": time.strftime("%Y-%m-%d"),
+            "rows": rows,
+        }
+        command = "python benchmarks/cross_host.py " + " ".join(sys.argv[1:])
+        doc = _results.document(raw, _results.cross_host_rows(raw), "cross_host", command)
         with open(args.json, "w") as f:
-            meta = {"gpus": gpus, "machine": machine(), "date": time.strftime("%Y-%m-%d")}
-            json.dump({"benchmark": "cross_host", **meta, "rows": rows}, f, indent=1)
+            json.dump(doc, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ gpu_serde pool path and the new ArenaMemoryResource, actor to actor and task to 
 same for Dask (worker to worker) and multiprocessing (a warm spawned child).
 
     python benchmarks/handoff_table.py [--sizes 1MiB,64MiB,1GiB,4GiB,16GiB] [--rounds 31]
-        [--engines ray-actor,ray-task,dask,mp] [--json results.json]
+        [--engines ray-actor,ray-task,dask,mp] [--json results.json] [--raw-json raw.json]
 
 On the simulated tier (no driver here) run it small: ``--sizes 1MiB,4MiB``; the paths that need
 torch or CuPy (real kernels) are left out with the reason printed. About 8 minutes on one H200
@@ -62,6 +62,7 @@ from collections.abc import Callable
 from typing import Any
 
 import _handoff_parts as parts
+import _results
 from _common import machine, paired_ci, times, use_gpus
 
 UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
@@ -516,7 +517,10 @@ def main() -> None:
     parser.add_argument("--others-max", default="4GiB", help="largest size for other paths")
     parser.add_argument("--first-rounds", type=int, default=3, help="new regions per size")
     parser.add_argument("--engines", default="ray-actor,ray-task,dask,mp")
-    parser.add_argument("--json", metavar="PATH", help="write the raw numbers here")
+    parser.add_argument(
+        "--json", metavar="PATH", help="write the results here (benchmarks/results/README.md)"
+    )
+    parser.add_argument("--raw-json", metavar="PATH", help="write the raw record, samples too")
     args = parser.parse_args()
     args.sizes = sorted(parse_size(s) for s in args.sizes.split(","))
     args.slow_max = parse_size(args.slow_max)
@@ -556,7 +560,7 @@ def main() -> None:
         for s in run.skipped:
             sizes = s["sizes"] if s["sizes"] == "all" else ", ".join(map(label, s["sizes"]))
             print(f"- {s['engine']} {s['path']} ({sizes}): {s['why']}")
-    if args.json:
+    if args.json or args.raw_json:
         record = {
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "machine": {
@@ -575,9 +579,16 @@ def main() -> None:
             "skipped": run.skipped,
             "seconds": time.monotonic() - run.started,
         }
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=1)
-        log(f"raw numbers written to {args.json}")
+        if args.raw_json:
+            with open(args.raw_json, "w") as f:
+                json.dump(record, f, indent=1)
+            log(f"raw numbers written to {args.raw_json}")
+        if args.json:
+            command = "python benchmarks/handoff_table.py " + " ".join(sys.argv[1:])
+            doc = _results.document(record, _results.handoff_rows(record), "handoff_table", command)
+            with open(args.json, "w") as f:
+                json.dump(doc, f, indent=1)
+            log(f"results written to {args.json}")
 
 
 if __name__ == "__main__":

@@ -212,17 +212,18 @@ def pool_here(tier):
 
 
 RECEIVE = """
-import pickle, sys
+import os, pickle, sys
 sys.path[:0] = {path!r}
 from memtier import check
 import gpu_serde
 buf = pickle.loads(sys.stdin.buffer.read())
 got = check(buf)
 print(got["ok"], type(gpu_serde.resolve(buf).memory_resource).__name__, flush=True)
+os._exit(0)  # EXIT_NOTE
 """
 
 EXPORT = """
-import pickle, sys
+import os, pickle, sys
 sys.path[:0] = {path!r}
 from memtier import fill
 from cuda.core import Device, DeviceMemoryResource, DeviceMemoryResourceOptions
@@ -234,7 +235,15 @@ mr = DeviceMemoryResource(d, DeviceMemoryResourceOptions(ipc_enabled=True, max_s
 buf = mr.allocate({size}, stream=d.default_stream)
 fill(buf)
 sys.stdout.buffer.write(pickle.dumps(gpu_serde.portable(buf), protocol=5))
+sys.stdout.flush()
+os._exit(0)  # EXIT_NOTE
 """
+
+
+# EXIT_NOTE: the children end with os._exit, after their work and their output: cuda-core 1.2.0's
+# CUDA 12 build crashes at interpreter exit (SIGSEGV in a thread-local destructor that calls the
+# driver after the interpreter is gone; seen with Python 3.10 and cuda-bindings 12.9, the version
+# matrix's low leg, with a bare `Device(0).set_current()` and no gpu_serde at all).
 
 
 def child_environment(tier, label: str | None) -> dict[str, str]:

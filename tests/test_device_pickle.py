@@ -93,6 +93,7 @@ def test_resolve_returns_a_container_without_gpu_objects_as_itself(installed):
 
 
 def test_the_dask_preload_keeps_a_users_strict_mode_and_warns(simulated_gpus):
+    import asyncio
     import logging
 
     import gpu_serde.dask
@@ -110,7 +111,8 @@ def test_the_dask_preload_keeps_a_users_strict_mode_and_warns(simulated_gpus):
     logging.getLogger("gpu_serde").addHandler(lines)
     gpu_serde.install(strict=True)
     try:
-        gpu_serde.dask.dask_setup(object())  # as `dask scheduler --preload gpu_serde.dask` calls it
+        # as `dask scheduler --preload gpu_serde.dask` calls it (and awaits it)
+        asyncio.run(gpu_serde.dask.dask_setup(object()))
         assert registry.flags.strict is True
         assert any("strict=True under Dask" in line for line in lines.lines)
     finally:
