@@ -518,7 +518,17 @@ class ImportedArenaMemory(MemoryResource):
 
 
 _imported: dict[bytes, ImportedArena] = {}  # region id -> this process's view of it
-os.register_at_fork(after_in_child=_imported.clear)  # a forked child maps nothing of its parent's
+_left_by_fork: list[dict[bytes, ImportedArena]] = []
+
+
+def _forget_after_fork() -> None:
+    """A forked child maps nothing of its parent's; the parent's imported arenas are kept, not
+    freed (freeing calls the driver, which a forked child must not do before it execs)."""
+    _left_by_fork.append(dict(_imported))
+    _imported.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def _home(p: RegionPayload) -> ArenaMemoryResource | None:

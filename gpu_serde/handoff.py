@@ -277,12 +277,16 @@ def _flush_all() -> None:
             pass
 
 
+_left_by_fork: list[dict[int, Any]] = []
+
+
 def _after_fork_in_child() -> None:
     """A forked child holds none of its parent's imports: it must neither release them at exit
     nor lose its own releases (the release thread did not survive the fork)."""
     global _sending, lock, _worker
     _live.clear()
     _origin.clear()
+    _left_by_fork.append(dict(_unmap_streams))  # kept: destroying a stream calls the driver
     _unmap_streams.clear()
     with contextlib.suppress(queue.Empty):
         while True:

@@ -179,7 +179,18 @@ def _receiving_pool(ordinal: int) -> Any:
         return pool
 
 
-os.register_at_fork(after_in_child=_pools.clear)
+_left_by_fork: list[dict[int, Any]] = []
+
+
+def _forget_after_fork() -> None:
+    """A forked child uses none of its parent's pools, and must not free them either: freeing
+    calls the driver, which a forked child must not do before it execs (it can hang there, as
+    under Ray, whose ``preexec_fn`` runs these hooks). They are kept, never used."""
+    _left_by_fork.append(dict(_pools))
+    _pools.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 def _target(p: HostCopyPayload) -> Device:

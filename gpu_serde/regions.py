@@ -298,9 +298,15 @@ def attached() -> int:
     return len(_attached)
 
 
+_left_by_fork: list[tuple[dict[Any, Any], dict[Any, Any]]] = []
+
+
 def _forget_after_fork() -> None:
     """A forked child maps nothing of its parent's (CUDA does not survive a fork)."""
     global _lock, _contexts_lock, maps
+    # kept, never freed: freeing calls the driver, which a forked child must not do before it
+    # execs (it can hang there, as under Ray, whose preexec_fn runs these hooks)
+    _left_by_fork.append((dict(_attached), dict(_contexts)))
     _attached.clear()
     _contexts.clear()
     _lock, _contexts_lock, maps = threading.Lock(), threading.Lock(), 0
