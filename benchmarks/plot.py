@@ -231,6 +231,26 @@ def _points(rows: list[dict]) -> tuple[list[int], list[float], list[float], list
     return xs, ys, lo, hi
 
 
+def _size_axis(ax: Any, title: str, sizes: list[tuple[int, str]]) -> None:
+    """A panel whose x axis is the buffer size, log 2, one tick per size."""
+    ax.set_title(title, fontsize=12.5)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks([s for s, _ in sizes], [n for _, n in sizes], rotation=35, ha="right")
+    ax.minorticks_off()
+    ax.set_xlim(sizes[0][0] / 1.6, sizes[-1][0] * 1.6)
+    ax.grid(True, which="major", color="#dddddd", lw=0.8)
+    ax.set_xlabel("buffer size")
+
+
+def _time_axis(ax: Any, label: str, top: float) -> None:
+    """The shared y axis: milliseconds, log 10, from 0.05 to ``top``."""
+    ax.set_ylabel(label)
+    ax.set_ylim(0.05, top)
+    ticks = [0.1, 1, 10, 100, 1e3, 1e4]
+    ax.set_yticks(ticks, ["0.1", "1", "10", "100", "1,000", "10,000"])
+
+
 def plot_handoff(runs: list[Run], out: str) -> list[Run]:
     """Write the hand-off plot to ``out``; return the runs it drew from."""
     plt = _pyplot()
@@ -266,18 +286,8 @@ def plot_handoff(runs: list[Run], out: str) -> list[Run]:
                 label=label,
             )
             used.append(run)
-        ax.set_title(title, fontsize=12.5)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xticks([s for s, _ in SIZES], [n for _, n in SIZES], rotation=35, ha="right")
-        ax.minorticks_off()
-        ax.set_xlim(SIZES[0][0] / 1.6, SIZES[-1][0] * 1.6)
-        ax.grid(True, which="major", color="#dddddd", lw=0.8)
-        ax.set_xlabel("buffer size")
-    axes[0].set_ylabel("hand-off time (ms, log scale)")
-    axes[0].set_ylim(0.05, 5e4)
-    ticks = [0.1, 1, 10, 100, 1e3, 1e4]
-    axes[0].set_yticks(ticks, ["0.1", "1", "10", "100", "1,000", "10,000"])
+        _size_axis(ax, title, SIZES)
+    _time_axis(axes[0], "hand-off time (ms, log scale)", 5e4)
     order = [name for name in STYLE if name in drawn]
     fig.legend(
         [drawn[n] for n in order],
@@ -412,20 +422,8 @@ def plot_arena(runs: list[Run], out: str) -> list[Run]:
                 capsize=3,
                 label=label,
             )
-        ax.set_title(title, fontsize=12.5)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xticks(
-            [s for s, _ in ARENA_SIZES], [n for _, n in ARENA_SIZES], rotation=35, ha="right"
-        )
-        ax.minorticks_off()
-        ax.set_xlim(ARENA_SIZES[0][0] / 1.6, ARENA_SIZES[-1][0] * 1.6)
-        ax.grid(True, which="major", color="#dddddd", lw=0.8)
-        ax.set_xlabel("buffer size")
-    axes[0].set_ylabel("added to the engine's round trip (ms, log scale)")
-    axes[0].set_ylim(0.05, 2e4)
-    ticks = [0.1, 1, 10, 100, 1e3, 1e4]
-    axes[0].set_yticks(ticks, ["0.1", "1", "10", "100", "1,000", "10,000"])
+        _size_axis(ax, title, ARENA_SIZES)
+    _time_axis(axes[0], "added to the engine's round trip (ms, log scale)", 2e4)
     order = [name for name in STYLE if name in drawn]
     fig.legend(
         [drawn[n] for n in order],

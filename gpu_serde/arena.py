@@ -36,6 +36,7 @@ from gpu_serde import broker as _broker
 from gpu_serde import handoff, regions, wire
 from gpu_serde.device import device_payload
 from gpu_serde.errors import ArenaFullError, HandoffError, TokenRefusedError
+from gpu_serde.hostid import host_id
 from gpu_serde.memory_payload import RegionPayload, decode_abuf, decode_region
 from gpu_serde.payload import VERSION
 from gpu_serde.placeholders import define
@@ -99,7 +100,7 @@ class _Region:
                 p = RegionPayload(
                     VERSION,
                     device_payload(Device(self.ordinal)),
-                    handoff.BOOT_ID,
+                    host_id(),
                     b.address,
                     self.tokens[0],
                     self.id,
@@ -406,7 +407,27 @@ def reduce_arena(mr: ArenaMemoryResource) -> tuple[Any, ...]:
     return (wire.arena, (payload,))
 
 
-class ImportedArena(MemoryResource):
+class _Mapped:
+    """What every resource of a received arena reads as: device memory mapped from another
+    process."""
+
+    @property
+    def is_device_accessible(self) -> bool:
+        """True: device memory."""
+        return True
+
+    @property
+    def is_host_accessible(self) -> bool:
+        """False: device memory."""
+        return False
+
+    @property
+    def is_mapped(self) -> bool:
+        """True: the memory is mapped from another process."""
+        return True
+
+
+class ImportedArena(_Mapped, MemoryResource):
     """An arena's region as mapped in a receiving process: what ``gpu_serde.wire.arena`` gives
     there, and the ``.arena`` of every buffer received from it. It reads like the arena (device,
     size) and cannot allocate. The region stays mapped for the process's life."""
@@ -434,21 +455,6 @@ class ImportedArena(MemoryResource):
         return self._region.ordinal
 
     @property
-    def is_device_accessible(self) -> bool:
-        """True: device memory."""
-        return True
-
-    @property
-    def is_host_accessible(self) -> bool:
-        """False: device memory."""
-        return False
-
-    @property
-    def is_mapped(self) -> bool:
-        """True: the memory is mapped from another process."""
-        return True
-
-    @property
     def size(self) -> int:
         """The region's size in bytes."""
         return self._region.size
@@ -460,7 +466,7 @@ class ImportedArena(MemoryResource):
         return f"<ImportedArena {_human(self._region.size)} (device {self._region.ordinal})>"
 
 
-class ImportedArenaMemory(MemoryResource):
+class ImportedArenaMemory(_Mapped, MemoryResource):
     """The memory resource of a buffer received from an arena (``buf.memory_resource`` in the
     receiver; ``.arena`` is the region's :class:`ImportedArena`). It cannot allocate.
 
@@ -497,21 +503,6 @@ class ImportedArenaMemory(MemoryResource):
     def device_id(self) -> int:
         """This process's ordinal of the region's GPU."""
         return self.arena.device_id
-
-    @property
-    def is_device_accessible(self) -> bool:
-        """True: device memory."""
-        return True
-
-    @property
-    def is_host_accessible(self) -> bool:
-        """False: device memory."""
-        return False
-
-    @property
-    def is_mapped(self) -> bool:
-        """True: the memory is mapped from another process."""
-        return True
 
     def __repr__(self) -> str:
         return f"<ImportedArenaMemory of {self.arena!r}>"

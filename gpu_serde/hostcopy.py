@@ -25,6 +25,7 @@ import ctypes
 import os
 import pickle
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -203,6 +204,32 @@ def _target(p: HostCopyPayload) -> Device:
     return handoff.any_device()
 
 
+def _new_buffer(
+    dev: Device, size: int, host: bool, copy: Callable[[Buffer, Any], None], what: str
+) -> Buffer:
+    """A buffer of ``size`` bytes from this process's receiving pool on ``dev`` (pinned host
+    memory when ``host``), filled by ``copy(buffer, stream)`` and complete on return; ``dev`` is
+    left current in the calling thread, as for a mapped buffer.
+
+    Raises:
+        HandoffError: the allocation or the copy failed (the message has the driver's error).
+    """
+    try:
+        dev.set_current()
+        stream = dev.default_stream
+        buf = _receiving_pool(-1 if host else dev.device_id).allocate(size, stream=stream)
+        copy(buf, stream)
+        stream.sync()  # the bytes are there before anyone can use the buffer
+    except Exception as exc:
+        where = "pinned host memory" if host else f"GPU {dev.device_id}"
+        raise HandoffError(
+            f"a Buffer of {size} bytes sent {what} could not be put in {where} here: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    _count("uploaded")
+    return buf
+
+
 def upload(p: HostCopyPayload) -> Buffer:
     """A new buffer, from this process's receiving pool, holding the payload's bytes; its device
     is left current in the calling thread.
@@ -211,31 +238,21 @@ def upload(p: HostCopyPayload) -> Buffer:
         HandoffError: this process sees no GPU, or the allocation or the copy failed (the
             message has the driver's error).
     """
-    dev = _target(p)
     src = memoryview(p.data).cast("B")  # decode_hbuf checked: contiguous, ``size`` bytes
-    try:
-        dev.set_current()  # as for a mapped buffer: its device is current in the receiving thread
-        stream = dev.default_stream
-        if p.device is None:
-            buf = _receiving_pool(-1).allocate(p.size, stream=stream)
-            stream.sync()
-            dst = (ctypes.c_char * p.size).from_address(int(buf.handle))
-            memoryview(dst).cast("B")[:] = src
-        else:
-            buf = _receiving_pool(dev.device_id).allocate(p.size, stream=stream)
-            _driver(
-                "cuMemcpyHtoDAsync",
-                driver.cuMemcpyHtoDAsync(int(buf.handle), src, p.size, int(stream.handle)),
-            )
-            stream.sync()  # the bytes are on the GPU before anyone can use the buffer
-    except Exception as exc:
-        where = f"GPU {dev.device_id}" if p.device is not None else "pinned host memory"
-        raise HandoffError(
-            f"a Buffer of {p.size} bytes sent by value could not be put in {where} here: "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
-    _count("uploaded")
-    return buf
+
+    def to_host_memory(buf: Buffer, stream: Any) -> None:
+        stream.sync()  # the allocation is stream-ordered; the copy below is not
+        memoryview((ctypes.c_char * p.size).from_address(int(buf.handle))).cast("B")[:] = src
+
+    def to_device(buf: Buffer, stream: Any) -> None:
+        _driver(
+            "cuMemcpyHtoDAsync",
+            driver.cuMemcpyHtoDAsync(int(buf.handle), src, p.size, int(stream.handle)),
+        )
+
+    host = p.device is None
+    copy = to_host_memory if host else to_device
+    return _new_buffer(_target(p), p.size, host, copy, "by value")
 
 
 def from_device(device: object, size: object, interface: object) -> Buffer:
@@ -257,20 +274,12 @@ def from_device(device: object, size: object, interface: object) -> Buffer:
         ok = False
     if not ok:
         raise PayloadError(f"a device frame of gpu_serde is {n} bytes, one a byte ('|u1')")
-    dev = _target(HostCopyPayload(VERSION, dev_p, n, b""))
-    try:
-        dev.set_current()
-        stream = dev.default_stream
-        buf = _receiving_pool(dev.device_id).allocate(n, stream=stream)
+
+    def from_frame(buf: Buffer, stream: Any) -> None:
         _driver("cuMemcpyAsync", driver.cuMemcpyAsync(int(buf.handle), ptr, n, int(stream.handle)))
-        stream.sync()
-    except Exception as exc:
-        raise HandoffError(
-            f"a Buffer of {n} bytes sent as a device frame could not be copied to GPU "
-            f"{dev.device_id} here: {type(exc).__name__}: {exc}"
-        ) from exc
-    _count("uploaded")
-    return buf
+
+    dev = _target(HostCopyPayload(VERSION, dev_p, n, b""))
+    return _new_buffer(dev, n, False, from_frame, "as a device frame")
 
 
 def rebuild_host_copy(payload: object) -> Buffer:

@@ -153,16 +153,26 @@ def export(ordinal: int, base: int) -> int:
         HandoffError: the driver refused.
     """
     with context(ordinal):
-        handle = check("cuMemRetainAllocationHandle", driver.cuMemRetainAllocationHandle(base))
-        try:
-            return int(
-                check(
-                    "cuMemExportToShareableHandle",
-                    driver.cuMemExportToShareableHandle(handle, _POSIX_FD, 0),
-                )
+        return export_here(base)
+
+
+def export_here(ptr: int) -> int:
+    """A POSIX descriptor of the physical allocation mapped at ``ptr``, in the current context
+    (the caller closes it).
+
+    Raises:
+        HandoffError: the driver refused.
+    """
+    handle = check("cuMemRetainAllocationHandle", driver.cuMemRetainAllocationHandle(ptr))
+    try:
+        return int(
+            check(
+                "cuMemExportToShareableHandle",
+                driver.cuMemExportToShareableHandle(handle, _POSIX_FD, 0),
             )
-        finally:
-            driver.cuMemRelease(handle)
+        )
+    finally:
+        driver.cuMemRelease(handle)
 
 
 # ---- events ----

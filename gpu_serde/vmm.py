@@ -38,6 +38,7 @@ from gpu_serde.memory_payload import (
 )
 from gpu_serde.payload import VERSION, decode_device
 from gpu_serde.placeholders import define, not_visible_error
+from gpu_serde.regions import check, export_here
 from gpu_serde.text import quoted, safe
 
 #: Option fields sent as the string values of cuda.core's enums (or None), in payload order.
@@ -234,26 +235,6 @@ def rebuild_resource(payload: object) -> VirtualMemoryResource:
 define(wire.vmm, "VirtualMemoryResource", rebuild_resource)
 
 
-def _check(call: str, result: tuple[Any, ...]) -> Any:
-    err = result[0]
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise HandoffError(f"{call} failed: {getattr(err, 'name', err)}")
-    return result[1] if len(result) > 1 else None
-
-
-def _export(ptr: int) -> int:
-    handle = _check("cuMemRetainAllocationHandle", driver.cuMemRetainAllocationHandle(ptr))
-    try:
-        return int(
-            _check(
-                "cuMemExportToShareableHandle",
-                driver.cuMemExportToShareableHandle(handle, _POSIX_FD, 0),
-            )
-        )
-    finally:
-        driver.cuMemRelease(handle)
-
-
 def _let_go(fd_token: bytes, buf: Buffer) -> None:
     _broker.broker().revoke(fd_token)
     handoff.let_go(buf)
@@ -261,9 +242,9 @@ def _let_go(fd_token: bytes, buf: Buffer) -> None:
 
 def _check_whole(ptr: int, size: int) -> None:
     """One physical allocation must back the whole buffer (not so after ``modify_allocation``)."""
-    first = _check("cuMemRetainAllocationHandle", driver.cuMemRetainAllocationHandle(ptr))
+    first = check("cuMemRetainAllocationHandle", driver.cuMemRetainAllocationHandle(ptr))
     try:
-        last = _check(
+        last = check(
             "cuMemRetainAllocationHandle", driver.cuMemRetainAllocationHandle(ptr + size - 1)
         )
         driver.cuMemRelease(last)
@@ -301,7 +282,7 @@ def reduce_buffer(buf: Buffer, mr: VirtualMemoryResource) -> tuple[Any, ...]:
         ptr = int(buf.handle)
         with handoff.current(mr.device):
             _check_whole(ptr, buf.size)
-            fd = _export(ptr)
+            fd = export_here(ptr)
         try:
             fd_token = b.offer(fd)
         finally:
@@ -335,17 +316,17 @@ def _access(mr: VirtualMemoryResource) -> list[Any]:
 def _map(fd: int, size: int, mr: VirtualMemoryResource) -> int:
     """Import the allocation behind ``fd`` and map it here with ``mr``'s access; the mapping
     keeps it alive (``mr.deallocate`` unmaps and frees the address range)."""
-    handle = _check(
+    handle = check(
         "cuMemImportFromShareableHandle", driver.cuMemImportFromShareableHandle(fd, _POSIX_FD)
     )
     try:
-        ptr = _check("cuMemAddressReserve", driver.cuMemAddressReserve(size, 0, 0, 0))
+        ptr = check("cuMemAddressReserve", driver.cuMemAddressReserve(size, 0, 0, 0))
         try:
-            _check("cuMemMap", driver.cuMemMap(ptr, size, 0, handle, 0))
+            check("cuMemMap", driver.cuMemMap(ptr, size, 0, handle, 0))
             descs = _access(mr)
             if descs:
                 try:
-                    _check("cuMemSetAccess", driver.cuMemSetAccess(ptr, size, descs, len(descs)))
+                    check("cuMemSetAccess", driver.cuMemSetAccess(ptr, size, descs, len(descs)))
                 except Exception:
                     driver.cuMemUnmap(ptr, size)
                     raise
