@@ -265,6 +265,9 @@ _broker: Broker | None = None
 _broker_lock = threading.Lock()
 
 
+_left_by_fork: list[dict[bytes, list[Any]]] = []
+
+
 def _forget_after_fork() -> None:
     """A forked child serves nothing of its parent's: close the inherited listening socket and
     descriptors (the parent's stay open), forget the held objects; a new broker starts on use."""
@@ -272,7 +275,10 @@ def _forget_after_fork() -> None:
     inherited, _broker, _broker_lock = _broker, None, threading.Lock()
     if inherited is not None:
         inherited._lock, inherited._due = threading.Lock(), threading.Event()  # unheld copies
-        inherited._holds.clear()  # the parent keeps these alive, not the child
+        # the parent keeps these alive; the child keeps them too, never dropped: freeing calls
+        # the driver, which a forked child must not do before it execs
+        _left_by_fork.append(inherited._holds)
+        inherited._holds = {}
         with contextlib.suppress(OSError):
             inherited.close(inherited=True)
 

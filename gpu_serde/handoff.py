@@ -283,14 +283,14 @@ _left_by_fork: list[dict[int, Any]] = []
 def _after_fork_in_child() -> None:
     """A forked child holds none of its parent's imports: it must neither release them at exit
     nor lose its own releases (the release thread did not survive the fork)."""
-    global _sending, lock, _worker
+    global _sending, lock, _worker, _releases
     _live.clear()
     _origin.clear()
-    _left_by_fork.append(dict(_unmap_streams))  # kept: destroying a stream calls the driver
+    # kept, never dropped: destroying a stream or a queued release's event calls the driver,
+    # which a forked child must not do before it execs (it hangs on a lock another thread held)
+    _left_by_fork.append({0: _releases, 1: dict(_unmap_streams)})
     _unmap_streams.clear()
-    with contextlib.suppress(queue.Empty):
-        while True:
-            _releases.get_nowait()
+    _releases = queue.SimpleQueue()
     _sending, lock, _worker = threading.Lock(), threading.RLock(), None
     multiprocessing.util.Finalize(None, _release_all_at_exit, exitpriority=100)
 

@@ -333,6 +333,44 @@ def test_a_forked_child_leaves_its_parents_broker_serving():
         server.broker().revoke(token)
 
 
+class _FreedInChild:
+    """Stands for a held CUDA object: writes to ``fd`` if a process frees it."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __del__(self) -> None:
+        os.write(self.fd, b"freed")
+
+
+def test_a_forked_child_frees_none_of_the_objects_its_parents_broker_holds():
+    """Freeing a held Buffer calls the driver, which a forked child must not do before it execs:
+    a lock another parent thread held at the fork never opens there (Ray's start hung on it)."""
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    token = server.broker().hold(_FreedInChild(w), lambda obj: None)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the fork hooks have run; os._exit frees nothing itself
+            os._exit(0 if server._broker is None and server._left_by_fork else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        with pytest.raises(BlockingIOError):
+            os.read(r, 5)  # nothing was freed in the child
+        assert server.broker().peek(token) is not None  # the parent still holds it
+        address = server.broker().address
+        acquire(address, token)
+        assert release(address, token)  # the last importer lets go: the parent frees it
+        deadline = time.monotonic() + 5
+        while server.broker().peek(token) is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert os.read(r, 5) == b"freed"
+    finally:
+        os.close(r)
+        os.close(w)
+
+
 def test_a_forked_child_opens_its_own_connections(exporter):
     _, address, token = exporter
     os.close(fetch(address, token))  # the parent keeps a connection to the exporter
