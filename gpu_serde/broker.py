@@ -18,6 +18,7 @@ request is never counted twice.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import secrets
@@ -61,6 +62,7 @@ class Broker:
         # token -> [object, live importers, ever acquired, on_release, grace s, let go at]
         self._holds: dict[bytes, list[Any]] = {}
         self._closed = False
+        self._exiting = False  # set at exit: nothing is let go any more
         self._conns: dict[socket.socket, threading.Thread] = {}  # connections being served
         self._due = threading.Event()  # an object's last importer released it
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -135,12 +137,22 @@ class Broker:
 
     def _release_loop(self) -> None:
         """The release thread: lets go of objects once their grace has passed."""
-        while not self._closed:
+        while not self._closed and not self._exiting:
             with self._lock:
                 due = [e[5] for e in self._holds.values() if e[5] is not None]
             self._due.wait(max(0.0, min(due) - time.monotonic()) if due else None)
             self._due.clear()
-            self._sweep()
+            if not self._exiting:
+                self._sweep()
+
+    def stop_letting_go(self, timeout: float = 2.0) -> None:
+        """Stop the release thread (a callback in flight finishes first, for up to ``timeout``
+        s): at exit no daemon thread may free a CUDA object while the interpreter is torn down
+        (it can abort the process). What the broker still holds goes with the process."""
+        self._exiting = True
+        self._due.set()
+        if self._letting_go is not threading.current_thread():
+            self._letting_go.join(timeout)
 
     def _sweep(self) -> None:
         """Let go of objects whose importers all released them more than ``grace`` s ago."""
@@ -284,6 +296,14 @@ def _forget_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def _stop_letting_go_at_exit() -> None:
+    if _broker is not None:
+        _broker.stop_letting_go()
+
+
+atexit.register(_stop_letting_go_at_exit)
 
 
 def broker() -> Broker:

@@ -138,6 +138,10 @@ WHOLE_DEVICE = "device"  # release after the whole device is idle (the free is q
 _releases: queue.SimpleQueue[tuple[Any, str, bytes, int]] = queue.SimpleQueue()
 _live: dict[int, tuple[str, bytes, int]] = {}  # key -> (broker address, hold token, device)
 _sending = threading.Lock()  # held by the release thread while it tells one exporter
+_STOP = object()  # the exit flush's mark on the queue: the release thread stops there
+_stopped = threading.Event()  # set by the release thread when it reaches the mark
+#: Seconds an exiting importer waits for the release thread to tell what was queued before.
+EXIT_WAIT_S = 2.0
 _keys = itertools.count(1)
 
 
@@ -207,6 +211,9 @@ def _release_worker() -> None:
             _unmap(freed)
             freed.clear()
             continue
+        if item[0] is _STOP:  # the process exits: everything queued before it has been told
+            _stopped.set()
+            return  # no driver call after this: the interpreter is being torn down
         with _sending, contextlib.suppress(Exception):  # a dead thread would stop all releases
             _tell(*item)
         if item[0] is not None and item[0] is not WHOLE_DEVICE and item[3] >= 0:
@@ -243,8 +250,18 @@ def track_import(buf: Buffer, reduction: tuple[Any, ...], key: int | None = None
 
 
 def _release_all_at_exit() -> None:
-    """An importer that exits tells the exporters about everything it held or had released."""
-    got = _sending.acquire(timeout=2)  # let a release in flight finish
+    """An importer that exits tells the exporters about everything it held or had released.
+
+    The release thread first finishes what was queued before the exit (a release it had taken
+    off the queue is in no list here: without this wait it was lost when the process ended with
+    the thread in the middle of it) and stops, so that no daemon thread calls the driver while
+    the interpreter is torn down; whatever it has not told within :data:`EXIT_WAIT_S` is told
+    here."""
+    worker = _worker
+    if worker is not None and worker.is_alive():
+        _releases.put((_STOP, "", b"", -1))
+        _stopped.wait(EXIT_WAIT_S)
+    got = _sending.acquire(timeout=EXIT_WAIT_S)  # a release still in flight: let it finish
     try:
         _flush_all()
     finally:
@@ -264,6 +281,8 @@ def _flush_all() -> None:
             break
     gone: set[str] = set()  # exporters that did not answer: exiting too, or gone
     for event, address, token, _ in items:
+        if event is _STOP:
+            continue  # the mark the release thread did not reach in time
         with contextlib.suppress(Exception):
             if event is not None and event is not WHOLE_DEVICE:
                 event.sync()  # a buffer closed on a stream just before exit
@@ -283,7 +302,7 @@ _left_by_fork: list[dict[int, Any]] = []
 def _after_fork_in_child() -> None:
     """A forked child holds none of its parent's imports: it must neither release them at exit
     nor lose its own releases (the release thread did not survive the fork)."""
-    global _sending, lock, _worker, _releases
+    global _sending, lock, _worker, _releases, _stopped
     _live.clear()
     _origin.clear()
     # kept, never dropped: destroying a stream or a queued release's event calls the driver,
@@ -292,6 +311,7 @@ def _after_fork_in_child() -> None:
     _unmap_streams.clear()
     _releases = queue.SimpleQueue()
     _sending, lock, _worker = threading.Lock(), threading.RLock(), None
+    _stopped = threading.Event()
     multiprocessing.util.Finalize(None, _release_all_at_exit, exitpriority=100)
 
 

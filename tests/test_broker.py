@@ -304,6 +304,21 @@ def test_a_held_object_is_let_go_after_its_last_importer_releases_it():
         b.close()
 
 
+def test_an_exiting_exporter_lets_nothing_go_from_its_thread_while_python_is_torn_down():
+    b = Broker()
+    let_go = []
+    try:
+        token = b.hold(["exported buffer"], let_go.append, grace=0.2)
+        acquire(b.address, token)
+        assert release(b.address, token)  # due in 0.2 s, from the broker's release thread
+        b.stop_letting_go()  # what the exit hook does
+        time.sleep(0.5)
+        assert let_go == [] and b.held() == 1  # it goes with the process instead
+        assert not b._letting_go.is_alive()
+    finally:
+        b.close()
+
+
 def test_an_object_never_imported_stays_held_and_release_without_acquire_is_refused():
     b = Broker()
     try:

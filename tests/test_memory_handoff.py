@@ -122,6 +122,29 @@ def test_a_buffer_reaches_a_child_with_other_cuda_visible_devices_and_is_let_go(
     assert got["ok"] and got["size"] == tier.size and got["pid"] != os.getpid()
     assert got["device"] == 0  # the child's ordinal of the same GPU
     assert used_returns_to(pool, baseline)  # every importer released: memory returns
+    assert child.exitcode == 0
+
+
+def test_children_that_exit_right_after_reading_let_every_buffer_go(pool, tier, monkeypatch):
+    """The receiver's free is told from a background thread: an exit right after it must neither
+    lose that release (the exporter's memory would stay held) nor crash the child at teardown
+    (seen on Python 3.13, in about one exit out of four before the exit waited for the thread)."""
+    ctx = multiprocessing.get_context("spawn")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", tier.uuid)
+    outcomes = []
+    for _ in range(10):
+        baseline = pool.attributes.used_mem_current
+        buf = pool.allocate(tier.size, stream=Device(tier.ordinal).default_stream)
+        fill(buf)
+        inbox, outbox = ctx.Queue(), ctx.Queue()
+        child = ctx.Process(target=check_in_queue, args=(inbox, outbox))
+        child.start()
+        inbox.put(buf)
+        del buf
+        got = outbox.get(timeout=120)
+        child.join(60)
+        outcomes.append((got["ok"], child.exitcode, used_returns_to(pool, baseline)))
+    assert outcomes == [(True, 0, True)] * 10  # (bytes, exit status, memory returned)
 
 
 def test_a_received_pool_keeps_the_senders_pool_uuid_as_cuda_cores_own_path_does(pool, tier):
