@@ -57,22 +57,11 @@ def tier(request: pytest.FixtureRequest):
 
 
 # cuda-core 1.2.0's CUDA 12 build (with cuda-bindings 12.x; the version matrix's low leg) crashes
-# at interpreter exit when a thread made a device current: a thread-local destructor calls the
-# driver after the interpreter is gone (SIGSEGV, seen with a bare `Device(0).set_current()` and no
-# gpu_serde; docs/versions.md). There, once pytest has reported, the test process ends with its
+# at interpreter exit when a thread made a device current (memtier.exit_crashes_at_teardown;
+# docs/versions.md). There, once pytest has reported, the test process ends with its
 # exit status at once, without the interpreter's teardown, so that a run whose tests all passed
 # does not fail on that crash. Everywhere else this does nothing.
 _exit_status: list[int] = []
-
-
-def _exit_crashes_at_teardown() -> bool:
-    from importlib import metadata
-
-    try:
-        core, bindings = metadata.version("cuda-core"), metadata.version("cuda-bindings")
-    except metadata.PackageNotFoundError:
-        return False
-    return core == "1.2.0" and bindings.startswith("12.")
 
 
 @pytest.hookimpl(trylast=True)
@@ -82,7 +71,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
-    if _exit_status and _exit_crashes_at_teardown():
+    from memtier import exit_crashes_at_teardown
+
+    if _exit_status and exit_crashes_at_teardown():
         import sys
 
         sys.stdout.flush()

@@ -119,6 +119,26 @@ def check(buf) -> dict:
     }
 
 
+def exit_crashes_at_teardown() -> bool:
+    """cuda-core 1.2.0's CUDA 12 build (with cuda-bindings 12.x; the version matrix's low leg)
+    crashes at interpreter exit in a process that made a device current: a thread-local destructor
+    calls the driver after the interpreter is gone (SIGSEGV, seen with a bare
+    ``Device(0).set_current()`` and no gpu_serde; docs/versions.md)."""
+    from importlib import metadata
+
+    try:
+        core, bindings = metadata.version("cuda-core"), metadata.version("cuda-bindings")
+    except metadata.PackageNotFoundError:
+        return False
+    return core == "1.2.0" and bindings.startswith("12.")
+
+
+def exited_cleanly(code: int | None) -> bool:
+    """A child that used CUDA ended with status 0 (where :func:`exit_crashes_at_teardown`, the
+    status says nothing about gpu_serde: any status after the child's work was done)."""
+    return code == 0 or (code is not None and exit_crashes_at_teardown())
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float = 15) -> bool:
     """Poll ``predicate`` until it holds or ``timeout`` seconds pass; return its last value."""
     deadline = time.monotonic() + timeout
