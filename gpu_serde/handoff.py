@@ -255,13 +255,15 @@ def _release_all_at_exit() -> None:
     The release thread first finishes what was queued before the exit (a release it had taken
     off the queue is in no list here: without this wait it was lost when the process ended with
     the thread in the middle of it) and stops, so that no daemon thread calls the driver while
-    the interpreter is torn down; whatever it has not told within :data:`EXIT_WAIT_S` is told
-    here."""
+    the interpreter is torn down; whatever it has not told within :data:`EXIT_WAIT_S` (the bound
+    of the whole wait) is told here."""
+    deadline = time.monotonic() + EXIT_WAIT_S  # one bound in all: a Nanny kills a slow exit
     worker = _worker
     if worker is not None and worker.is_alive():
         _releases.put((_STOP, "", b"", -1))
         _stopped.wait(EXIT_WAIT_S)
-    got = _sending.acquire(timeout=EXIT_WAIT_S)  # a release still in flight: let it finish
+    # a release still in flight (the thread did not reach the mark in time): let it finish
+    got = _sending.acquire(timeout=max(0.0, deadline - time.monotonic()))
     try:
         _flush_all()
     finally:
