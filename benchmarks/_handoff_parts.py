@@ -52,7 +52,7 @@ def setup(max_size: int) -> str:
     if _state.get("max_size") == max_size:
         return str(os.getpid())
     import gpu_serde
-    from gpu_serde import handoff
+    from gpu_serde.memory import lifetime as handoff
 
     gpu_serde.install()
     handoff.RELEASE_GRACE_S = 0.0  # a released buffer goes back at once (the benchmark reuses)

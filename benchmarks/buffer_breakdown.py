@@ -46,7 +46,7 @@ def receiver(inbox, outbox) -> None:
 
 
 def broker_round_trip() -> float:
-    from gpu_serde import broker
+    from gpu_serde.memory import broker
 
     b = broker.broker()
     times = []
@@ -67,7 +67,7 @@ def main() -> None:
     from cuda.core import Device, DeviceMemoryResource, DeviceMemoryResourceOptions
 
     import gpu_serde
-    from gpu_serde import handoff
+    from gpu_serde.memory import lifetime as handoff
 
     gpu_serde.install()
     handoff.RELEASE_GRACE_S = 0.0

@@ -107,7 +107,7 @@ def run() -> list[dict[str, Any]]:
     from cuda.core import Device
 
     import gpu_serde
-    from gpu_serde import handoff
+    from gpu_serde.memory import lifetime as handoff
 
     handoff.RELEASE_GRACE_S = 0.0
     dev = Device(0)
@@ -136,7 +136,7 @@ def run() -> list[dict[str, Any]]:
         row["host copy"] = statistics.median(host_copy(dev, size))
         rows.append(row)
     gpu_serde.install()
-    from gpu_serde.broker import broker
+    from gpu_serde.memory.broker import broker
 
     time.sleep(1)
     print(f"buffers still held for importers after the run: {broker().held()}", file=sys.stderr)

@@ -438,7 +438,7 @@ def main() -> None:
         ) from None
     from cuda.core import Device
 
-    from gpu_serde import handoff
+    from gpu_serde.memory import lifetime as handoff
 
     handoff.RELEASE_GRACE_S = 0.0  # buffers go back to their pool between rounds
     dev = Device(0)
@@ -448,7 +448,7 @@ def main() -> None:
         results.append(run_ray())
     if engines in ("dask", "both", "all"):
         results.append(run_dask())
-    from gpu_serde.broker import broker
+    from gpu_serde.memory.broker import broker
 
     print(f"buffers still held for importers after the run: {broker().held()}", file=sys.stderr)
     out = []

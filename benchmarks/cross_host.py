@@ -187,7 +187,7 @@ def run_ray(sizes: list[int], rounds: int) -> list[dict[str, Any]]:
     gpu_serde.ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
     rows = []
     try:
-        rdt = gpu_serde.ray_transport.supported()
+        rdt = gpu_serde.ray.transport.supported()
         options = {"enable_tensor_transport": True} if rdt else {}
 
         @ray.remote(num_gpus=0.25, **options)

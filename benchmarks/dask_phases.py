@@ -50,7 +50,8 @@ def consume(arg: Any) -> tuple[float, float]:
 
 def time_rebuilds(dask_worker: Any) -> None:
     """In the worker: record how long each Buffer rebuild, and the broker acquire in it, take."""
-    from gpu_serde import broker, pools, wire
+    from gpu_serde import wire
+    from gpu_serde.memory import broker, pools
     from gpu_serde.placeholders import define
 
     record: dict[str, list[float]] = {"rebuild": [], "acquire": []}
@@ -87,7 +88,7 @@ def main() -> None:
     from distributed import Client, LocalCluster
 
     import gpu_serde.dask
-    from gpu_serde import handoff
+    from gpu_serde.memory import lifetime as handoff
     from gpu_serde.inventory import inventory
 
     inv = inventory()

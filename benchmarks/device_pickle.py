@@ -38,7 +38,7 @@ def pickled_size_with_host(dev, host: str) -> int:
     from gpu_serde.device import device_payload
     from gpu_serde.identity import uuid_bytes
     from gpu_serde.inventory import inventory
-    from gpu_serde.payload import encode_device
+    from gpu_serde.format.device import encode_device
 
     info = inventory().devices[dev.device_id]
     payload = encode_device(

@@ -13,12 +13,16 @@ Public names::
     ArenaMemoryResource(device, size)     device memory whose buffers hand off as offsets
 
 Engine adapters live in :mod:`gpu_serde.ray` and :mod:`gpu_serde.dask`; simulated GPUs for
-CPU-only tests in :mod:`gpu_serde.testing`. ``docs/how-it-works.md`` shows the modules.
+CPU-only tests in :mod:`gpu_serde.testing`; the command line in :mod:`gpu_serde.tools`. The
+package's folders: the flat core here (``wire`` and ``errors``, which pickles name; ``dispatch``,
+the table of handled types; ``registry``, ``placeholders``, ``device``, ``inventory``,
+``identity``, ``hostid``, ``text``, ``compat``, ``routing``), ``format/`` (the payloads),
+``memory/`` (GPU memory across processes), ``ray/``, ``dask/``, ``tools/``, ``testing/``.
+``docs/how-it-works.md`` shows the path of a Device and of a Buffer.
 """
 
-from gpu_serde import handled as _handled  # noqa: F401  (fills the tables: types, rebuilds)
+from gpu_serde import dispatch as _dispatch  # noqa: F401  (fills the tables: types, rebuilds)
 from gpu_serde._version import __version__
-from gpu_serde.arena import ArenaMemoryResource
 from gpu_serde.errors import (
     ArenaFullError,
     CompatibilityError,
@@ -32,9 +36,10 @@ from gpu_serde.errors import (
     PlacementError,
     TokenRefusedError,
 )
-from gpu_serde.hostcopy import PortableBuffer, portable
 from gpu_serde.identity import DeviceInfo, canonical_uuid
 from gpu_serde.inventory import visible_devices
+from gpu_serde.memory.arena import ArenaMemoryResource
+from gpu_serde.memory.portable import PortableBuffer, portable
 from gpu_serde.placeholders import UnresolvedDevice, UnresolvedObject, resolve
 from gpu_serde.registry import install, uninstall
 

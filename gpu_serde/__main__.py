@@ -2,6 +2,6 @@
 
 import sys
 
-from gpu_serde.cli import main
+from gpu_serde.tools.cli import main
 
 sys.exit(main())

@@ -1,9 +1,9 @@
 """``cuda.core.Device`` by GPU UUID: its reduce and its rebuild, side by side.
 
-The reducer sends a device payload (:mod:`gpu_serde.payload`): the GPU's UUID and, for messages
-only, where the sender had it. The rebuild finds the GPU with that UUID among the GPUs this process
-sees (the driver's own enumeration, cached), and gives this process's ``Device`` for it, or a
-placeholder that raises :class:`~gpu_serde.DeviceNotVisibleError` when used.
+The reducer sends a device payload (:mod:`gpu_serde.format.device`): the GPU's UUID and, for
+messages only, where the sender had it. The rebuild finds the GPU with that UUID among the GPUs
+this process sees (the driver's own enumeration, cached), and gives this process's ``Device`` for
+it, or a placeholder that raises :class:`~gpu_serde.DeviceNotVisibleError` when used.
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ from cuda.core import Device
 
 from gpu_serde import inventory as _inventory
 from gpu_serde import registry, wire
-from gpu_serde.errors import DeviceNotVisibleError
+from gpu_serde.format.device import encode_device, raw_uuid, validate_device
 from gpu_serde.identity import uuid_bytes
 from gpu_serde.inventory import inventory
-from gpu_serde.payload import encode_device, validate_device
-from gpu_serde.placeholders import Unseen, define
+from gpu_serde.placeholders import Unseen
 
 _flags = registry.flags
 
@@ -60,7 +59,7 @@ def local_device(payload: bytes) -> Device:
         Unseen: no visible GPU has its UUID (the guard makes the placeholder).
     """
     inv = _inventory.cached or inventory()
-    ordinal = inv.by_uuid.get(payload[1:17])  # inventory.local_ordinal, inlined: the hot path
+    ordinal = inv.by_uuid.get(raw_uuid(payload))  # inventory.local_ordinal, inlined: hot path
     if ordinal is None:
         raise Unseen(payload, inv)
     return Device(ordinal)
@@ -84,6 +83,3 @@ def rebuild_device(payload: object) -> Device:
                 "gpu_serde received a Device but could not install itself here: %s", exc
             )
     return local_device(p)
-
-
-define(wire.dev, "Device", rebuild_device, fallback=DeviceNotVisibleError)

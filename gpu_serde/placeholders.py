@@ -1,7 +1,7 @@
 """Placeholders, the one rebuild guard, and :func:`resolve`.
 
 Every reconstructor in :mod:`gpu_serde.wire` runs :func:`rebuild`, whatever its payload kind. The
-type modules (``device``, ``pools``, ``vmm``) fill the table it reads with :func:`define`. The rule:
+table it reads is filled by :mod:`gpu_serde.dispatch` with :func:`define`. The rule:
 a reconstructor never raises (Dask kills a worker, or hangs a future, on an exception in its
 unpickler; Ray hides the error's type). Anything that goes wrong (malformed bytes, wrong types,
 wrong arity, another payload version, another host, a gone exporter, a refused token, a GPU or peer
@@ -22,8 +22,8 @@ from cuda.core import Device
 
 from gpu_serde import inventory as _inventory
 from gpu_serde.errors import DeviceNotVisibleError, HandoffError, PayloadError
+from gpu_serde.format.device import DevicePayload, decode_device, raw_uuid
 from gpu_serde.inventory import Inventory
-from gpu_serde.payload import DevicePayload, decode_device
 from gpu_serde.registry import flags
 from gpu_serde.text import quoted, safe
 
@@ -74,11 +74,6 @@ class UnresolvedDevice:
     def _error(self) -> DeviceNotVisibleError:
         return not_visible_error(decode_device(self._payload), self._inventory)
 
-    @property
-    def _uuid(self) -> str:
-        """The canonical UUID of the GPU that was meant."""
-        return decode_device(self._payload).canonical_uuid
-
     def __reduce__(self) -> tuple[Reconstructor, tuple[bytes]]:
         return (self._rebuild, (self._payload,))
 
@@ -94,13 +89,15 @@ class UnresolvedDevice:
         raise self._error()
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, UnresolvedDevice) and other._payload[1:17] == self._payload[1:17]
+        return isinstance(other, UnresolvedDevice) and raw_uuid(other._payload) == raw_uuid(
+            self._payload
+        )
 
     def __hash__(self) -> int:
-        return hash(self._payload[1:17])
+        return hash(raw_uuid(self._payload))
 
     def __dask_tokenize__(self) -> tuple[str, bytes]:
-        return ("cuda.core.Device", self._payload[1:17])
+        return ("cuda.core.Device", raw_uuid(self._payload))
 
     def __repr__(self) -> str:
         p = decode_device(self._payload)
@@ -157,29 +154,28 @@ def _first_line(error: Exception) -> str:
     return safe(first) + (" ..." if rest else "")
 
 
+def placeholder_uuid(placeholder: UnresolvedDevice) -> str:
+    """The canonical UUID (``GPU-...``/``MIG-...``) of the GPU a placeholder names: what
+    routing reads (the placeholder itself raises on any public attribute)."""
+    return decode_device(placeholder._payload).canonical_uuid
+
+
 @dataclass(frozen=True)
 class Kind:
     """How one reconstructor rebuilds: its body, and what a failure is called."""
 
     name: str  #: what the payload is, in messages ("Device", "Buffer", ...)
     body: Callable[[object], Any]  #: validates the payload (PayloadError) and rebuilds it
-    fallback: type[Exception]  #: the typed error an unexpected exception becomes
+    fallback: type[Exception] = HandoffError  #: the typed error an unexpected exception becomes
     describe: Callable[[object], str] | None = None  #: a finer name from a valid payload
 
 
 _kinds: dict[Reconstructor, Kind] = {}
 
 
-def define(
-    reconstructor: Reconstructor,
-    name: str,
-    body: Callable[[object], Any],
-    *,
-    fallback: type[Exception] = HandoffError,
-    describe: Callable[[object], str] | None = None,
-) -> None:
-    """Name the body that ``reconstructor`` (a :mod:`gpu_serde.wire` name) runs under the guard."""
-    _kinds[reconstructor] = Kind(name, body, fallback, describe)
+def define(reconstructor: Reconstructor, kind: Kind) -> None:
+    """Name how ``reconstructor`` (a :mod:`gpu_serde.wire` name) rebuilds under the guard."""
+    _kinds[reconstructor] = kind
 
 
 def body(reconstructor: Reconstructor) -> Callable[[object], Any]:

@@ -12,7 +12,7 @@ import pytest
 from cuda.core import Device
 
 import gpu_serde
-from gpu_serde import doctor
+from gpu_serde.tools import doctor
 
 
 def device_for(uuid: str) -> Device:

@@ -14,7 +14,7 @@ import os
 import pytest
 
 import gpu_serde
-from gpu_serde import doctor
+from gpu_serde.tools import doctor
 
 pytestmark = pytest.mark.skipif(
     not os.environ.get("GPU_SERDE_IN_DOCKER"),

@@ -5,7 +5,7 @@ real one (1 GiB). Senders write the pattern with ``cuMemcpyHtoD`` and receivers 
 ``cuMemcpyDtoH``: driver calls that mean the same on both.
 
 The only gpu_serde internals the memory tests reach are here (re-point them when the core moves):
-``gpu_serde.handoff.RELEASE_GRACE_S``, ``gpu_serde.broker.broker`` and ``gpu_serde.regions.maps``.
+``gpu_serde.handoff.RELEASE_GRACE_S``, ``gpu_serde.memory.broker.broker`` and ``gpu_serde.regions.maps``.
 """
 
 from __future__ import annotations
@@ -150,27 +150,27 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 15) -> bool:
 # ---- gpu_serde internals (one place) ----
 def held() -> int:
     """How many exported objects this process's broker keeps alive for importers."""
-    from gpu_serde.broker import broker
+    from gpu_serde.memory.broker import broker
 
     return broker().held()
 
 
 def served() -> int:
     """How many descriptors this process's broker serves."""
-    from gpu_serde.broker import broker
+    from gpu_serde.memory.broker import broker
 
     return len(broker())
 
 
 def short_release_grace(monkeypatch: pytest.MonkeyPatch, seconds: float = 0.5) -> None:
     """Let imported pools go ``seconds`` after their last buffer (tests wait for it)."""
-    from gpu_serde import handoff
+    from gpu_serde.memory import lifetime as handoff
 
     monkeypatch.setattr(handoff, "RELEASE_GRACE_S", seconds)
 
 
 def regions_mapped() -> int:
     """How many arena regions this process has mapped (each one once)."""
-    from gpu_serde import regions
+    from gpu_serde.memory.arena import importer as regions
 
     return regions.maps

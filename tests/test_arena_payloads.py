@@ -18,15 +18,15 @@ from gpu_serde import (
     UnresolvedObject,
 )
 from gpu_serde.device import device_payload
-from gpu_serde.handoff import BOOT_ID
-from gpu_serde.memory_payload import decode_abuf, decode_region
-from gpu_serde.payload import encode_device
+from gpu_serde.hostid import host_id
+from gpu_serde.format.memory import decode_abuf, decode_region
+from gpu_serde.format.device import encode_device
 from gpu_serde.wire import abuf, arena
 
 NOBODY = "@gpu_serde-test-nobody-listens"
 
 
-def region(dev: bytes, boot: bytes = BOOT_ID, size: int = 4 << 20) -> tuple:
+def region(dev: bytes, boot: bytes = host_id(), size: int = 4 << 20) -> tuple:
     return (1, dev, boot, NOBODY, bytes(range(16)), bytes(range(16, 32)), size, bytes(64))
 
 

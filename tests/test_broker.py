@@ -10,14 +10,14 @@ import time
 
 import pytest
 
-from gpu_serde import broker as server
-from gpu_serde import broker_client
-from gpu_serde.broker import Broker, acquire, disconnect, fetch, release
+from gpu_serde.memory.broker import server
+from gpu_serde.memory.broker import client as broker_client
+from gpu_serde.memory.broker import Broker, acquire, disconnect, fetch, release
 from gpu_serde.errors import ExporterGoneError, TokenRefusedError
 
 EXPORTER = """
 import os, sys
-from gpu_serde.broker import broker
+from gpu_serde.memory.broker import broker
 fd = os.memfd_create("exported")
 os.write(fd, b"hello from the exporter")
 token = broker().offer(fd)
@@ -187,20 +187,138 @@ def test_a_killed_exporter_behind_a_kept_connection_is_reported_within_a_second(
     assert open_fds() == before  # the dead connection is closed, not kept
 
 
-def test_a_connection_the_broker_closed_while_idle_is_reopened_and_counts_once(monkeypatch):
+def test_an_idle_connection_the_broker_closed_is_reopened_and_a_request_counts_once(monkeypatch):
+    monkeypatch.setattr(server, "IDLE_S", 0.2)
+    b = Broker()
+    fd = os.memfd_create("x")
+    try:
+        token = b.hold("a buffer", lambda obj: None)
+        served = b.offer(fd)
+        os.close(fetch(b.address, served))
+        kept = broker_client._links[b.address].sock
+        time.sleep(0.5)  # the broker closes the silent connection, which holds nothing
+        acquire(b.address, token)  # over a new one
+        assert broker_client._links[b.address].sock is not kept
+        assert release(b.address, token)
+        assert not release(b.address, token)  # one acquire counted, no more
+    finally:
+        os.close(fd)
+        b.close()
+
+
+def test_a_connection_that_holds_is_never_closed_for_idleness(monkeypatch):
     monkeypatch.setattr(server, "IDLE_S", 0.2)
     b = Broker()
     try:
         token = b.hold("a buffer", lambda obj: None)
         acquire(b.address, token)
-        (kept,) = broker_client._idle[b.address]
-        time.sleep(0.5)  # the broker closes the silent connection
-        acquire(b.address, token)  # over a new one
-        assert broker_client._idle[b.address] != [kept]
-        assert release(b.address, token)
-        assert release(b.address, token)
-        assert not release(b.address, token)  # two acquires counted, no more
+        kept = broker_client._links[b.address].sock
+        time.sleep(0.5)  # silent longer than the idle time: kept, since it carries a hold
+        assert release(b.address, token)  # counted over the same connection
+        assert broker_client._links[b.address].sock is kept
     finally:
+        b.close()
+
+
+HOLDER = """
+import sys
+from gpu_serde.memory.broker import acquire
+address, token, block = sys.argv[1], bytes.fromhex(sys.argv[2]), bytes.fromhex(sys.argv[3])
+acquire(address, token, block)
+print("held", flush=True)
+sys.stdin.read()  # holds until the test kills it or closes our stdin
+"""
+RELEASER = """
+import sys
+from gpu_serde.memory.broker import release
+print(release(sys.argv[1], bytes.fromhex(sys.argv[2])), flush=True)
+"""
+BLOCK = bytes(range(16))
+
+
+def holder(address: str, token: bytes, block: bytes = BLOCK) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, address, token.hex(), block.hex()],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def wait_for(predicate, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return predicate()
+
+
+def test_a_release_from_a_process_that_never_acquired_is_refused():
+    b = Broker()
+    let_go = []
+    try:
+        token = b.hold("a block", let_go.append, block=BLOCK, grace=0)
+        proc = holder(b.address, token)
+        forged = subprocess.run(
+            [sys.executable, "-c", RELEASER, b.address, token.hex()],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert forged.stdout.strip() == "False"  # not its hold: nothing counted
+        assert not release(b.address, token)  # nor this process's, which never acquired
+        time.sleep(0.2)
+        assert let_go == [] and b.peek(token) == "a block"  # still the holder's
+        proc.stdin.close()
+        proc.wait(10)
+    finally:
+        b.close()
+
+
+def test_a_killed_holder_gives_its_holds_back_within_the_grace_period():
+    b = Broker()
+    let_go = []
+    try:
+        token = b.hold("a block", let_go.append, block=BLOCK, grace=0.3)
+        proc = holder(b.address, token)
+        assert wait_for(lambda: sum(b.holders().values()) == 1)
+        assert b.holders() == {proc.pid: 1}
+        proc.kill()  # SIGKILL: it never says a word
+        proc.wait(10)
+        started = time.monotonic()
+        assert wait_for(lambda: let_go == ["a block"])
+        assert time.monotonic() - started < 0.3 + 1.0  # the grace, plus a small bound
+        assert b.held() == 0 and b.holders() == {}
+    finally:
+        b.close()
+
+
+def test_a_hold_refuses_an_acquire_for_another_block():
+    b = Broker()
+    try:
+        token = b.hold("block A", lambda obj: None, block=BLOCK)
+        with pytest.raises(TokenRefusedError, match="another block"):
+            acquire(b.address, token, bytes(16))
+        with pytest.raises(TokenRefusedError, match="another block"):
+            acquire(b.address, token, bytes(reversed(BLOCK)))
+        acquire(b.address, token, BLOCK)
+        assert b.holders() == {os.getpid(): 1}
+        assert release(b.address, token)
+    finally:
+        b.close()
+
+
+def test_a_descriptor_refuses_a_fetch_that_names_another_identity():
+    b = Broker()
+    fd = os.memfd_create("x")
+    try:
+        token = b.offer(fd, BLOCK)
+        with pytest.raises(TokenRefusedError, match="another block or descriptor"):
+            fetch(b.address, token, bytes(16))
+        os.close(fetch(b.address, token, BLOCK))
+    finally:
+        os.close(fd)
         b.close()
 
 
@@ -228,7 +346,7 @@ def test_a_process_keeps_at_most_max_idle_connections():
         before = settled_fds()
         for b, token in zip(brokers, tokens, strict=True):
             os.close(fetch(b.address, token))
-        # both ends live in this process: the client's and the broker's
+        # both ends live in this process: the client's and the broker's (none holds anything)
         assert (
             wait_for_fds("self", before + 2 * broker_client.MAX_IDLE)
             == before + 2 * broker_client.MAX_IDLE
@@ -405,7 +523,7 @@ def test_a_forked_child_opens_its_own_connections(exporter):
     pid = os.fork()
     if pid == 0:  # never returns into pytest
         try:
-            ok = not broker_client._idle  # the parent's connection is not the child's to use
+            ok = not broker_client._links  # the parent's connection is not the child's to use
             for _ in range(50):
                 os.close(fetch(address, token))
         except BaseException:

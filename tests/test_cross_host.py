@@ -24,7 +24,7 @@ from gpu_serde.testing import child_env, spec_cluster_options
 
 def received(buf) -> dict:
     """Runs in the receiver: the pattern check, and how the buffer came (mapped or uploaded)."""
-    from gpu_serde import hostcopy
+    from gpu_serde.memory import bycopy as hostcopy
 
     got = check(buf)
     resource = type(gpu_serde.resolve(buf).memory_resource).__name__
@@ -63,7 +63,7 @@ def make_in_arena(size: int):
 
 def exporter_counts() -> dict:
     """Runs in the exporter: host copies it made and buffers its broker holds for importers."""
-    from gpu_serde import broker, hostcopy
+    from gpu_serde.memory import broker, bycopy as hostcopy
 
     return {"to_host": hostcopy.counts()["to_host"], "held": broker.broker().held()}
 
@@ -156,7 +156,7 @@ def test_a_buffer_too_large_for_host_memory_gives_the_typed_error_where_it_is_us
     client, by = dask_hosts
 
     def limit(available):
-        from gpu_serde import hostcopy
+        from gpu_serde.memory import bycopy as hostcopy
 
         if available is None:
             hostcopy.host_memory_available = hostcopy.__dict__["_measured"]
@@ -357,7 +357,7 @@ def test_a_plain_buffer_sent_to_another_ray_host_says_how_to_send_it(ray_hosts, 
 
 
 def _rdt_supported() -> bool:
-    from gpu_serde import ray_transport
+    from gpu_serde.ray import transport as ray_transport
 
     return ray_transport.supported()
 
@@ -441,7 +441,7 @@ def test_pinned_memory_skips_the_cuda_family_for_the_dask_one(tier):
     ids=["another version", "no frames", "garbage", "hostile header"],
 )
 def test_malformed_dask_frames_give_a_placeholder_never_an_exception(installed, header, frames):
-    from gpu_serde.dask_transfer import cuda_deserialize_buffer, deserialize_buffer
+    from gpu_serde.dask.serializers import cuda_deserialize_buffer, deserialize_buffer
 
     for loads in (deserialize_buffer, cuda_deserialize_buffer):
         got = loads(header, frames)  # must not raise: Dask would lose the worker

@@ -13,7 +13,7 @@ from helpers import env_without_driver
 @pytest.mark.parametrize("engine", ["dask", "ray"])
 def test_the_demo_shows_one_uuid_and_hands_the_buffer_on_simulated_gpus(engine):
     done = subprocess.run(
-        [sys.executable, "-m", "gpu_serde.cli", "demo", "--engine", engine],
+        [sys.executable, "-m", "gpu_serde.tools.cli", "demo", "--engine", engine],
         env=env_without_driver(),  # as on a machine without a GPU: the demo simulates its own
         capture_output=True,
         text=True,
@@ -30,7 +30,7 @@ def test_the_demo_shows_one_uuid_and_hands_the_buffer_on_simulated_gpus(engine):
 
 
 def test_a_failed_or_wrong_hand_off_is_reported_as_failed_never_as_verified(capsys):
-    from gpu_serde import demo
+    from gpu_serde.tools import demo
 
     def timed_out():
         raise TimeoutError("no answer in 120 s")

@@ -11,7 +11,7 @@ import pytest
 from cuda.core import Device
 
 import gpu_serde
-from gpu_serde.payload import decode_device
+from gpu_serde.format.device import decode_device
 from gpu_serde.wire import dev
 
 

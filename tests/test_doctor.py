@@ -2,7 +2,7 @@
 
 from distributed import Nanny, Scheduler, SpecCluster
 
-from gpu_serde import doctor
+from gpu_serde.tools import doctor
 
 
 def test_doctor_flags_a_missing_install_and_a_shared_device_0(simulated_gpus):

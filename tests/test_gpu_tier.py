@@ -163,7 +163,7 @@ def test_dask_workers_get_the_real_gpu_or_the_typed_error(installed):
 @pytest.mark.parametrize("engine", ["dask", "ray"])
 def test_the_demo_hands_a_buffer_to_every_other_gpu_worker(installed, engine):
     done = subprocess.run(
-        [sys.executable, "-m", "gpu_serde.cli", "demo", "--engine", engine],
+        [sys.executable, "-m", "gpu_serde.tools.cli", "demo", "--engine", engine],
         env=env_with(os.environ.get("CUDA_VISIBLE_DEVICES")),
         capture_output=True,
         text=True,

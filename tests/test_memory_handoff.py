@@ -67,11 +67,11 @@ def close_on_own_stream(inbox, outbox) -> None:
     mr = buf.memory_resource
     mapped = (mr.is_mapped, buf.is_mapped)  # docs/memory.md: read the resource's
     buf.close(stream)  # the free follows the work on that stream
-    try:
-        pickle.dumps(buf)
+    try:  # sending never fails: what arrives raises why it could not be sent
+        gpu_serde.resolve(pickle.loads(pickle.dumps(buf)))
         forwarded = "sent"
     except HandoffError as exc:
-        forwarded = "refused: closed" if "is closed" in str(exc) else f"refused: {exc}"
+        forwarded = "refused: closed" if "closed here" in str(exc) else f"refused: {exc}"
     outbox.put(
         {
             "total": total,

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import gpu_serde
 from gpu_serde import PayloadError, UnresolvedDevice, UnresolvedObject
-from gpu_serde.payload import MAX_SIZE, decode_device, encode_device, validate_device
+from gpu_serde.format.device import MAX_BYTES, decode_device, encode_device, validate_device
 from gpu_serde.wire import dev
 
 GOOD = encode_device(bytes(range(16)), False, 3, 4242, "node-a", "NVIDIA H200")
@@ -50,7 +50,7 @@ def test_long_or_odd_text_is_cut_to_fit_without_breaking_characters():
         (GOOD[:24] + b"no-separator", "separator"),
         (GOOD[:24] + b"h" * 300 + b"\0n", "host name is longer"),
         (GOOD + b"x" * 300, "device name is longer"),
-        (GOOD + b"x" * MAX_SIZE, "at most"),
+        (GOOD + b"x" * MAX_BYTES, "at most"),
     ],
 )
 def test_each_defect_is_named(bad, says):

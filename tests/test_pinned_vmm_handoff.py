@@ -148,13 +148,14 @@ def test_a_vmm_resource_lands_on_the_receivers_ordinal_with_its_peers(installed,
     assert got == {"device": 0, "uuid": Device(tier.ordinal).uuid, "peers": [0]}
 
 
-def test_a_host_memory_vmm_buffer_fails_at_pickling_with_the_reason(installed):
+def test_a_host_memory_vmm_buffer_travels_as_the_reason_it_cannot_be_mapped(installed):
     mr = VirtualMemoryResource(
         Device(installed.ordinal), VirtualMemoryResourceOptions(handle_type=None)
     )
     buf = mr.allocate(2 * MiB)
+    got = pickle.loads(pickle.dumps(buf))  # a sender never fails
     with pytest.raises(gpu_serde.NotIPCEnabledError, match="this resource has handle_type=None"):
-        pickle.dumps(buf)
+        gpu_serde.resolve(got)
     buf.close()
 
 

@@ -16,7 +16,7 @@ from doc_blocks import python_blocks, run_block
 import gpu_serde
 import gpu_serde.dask
 from gpu_serde.identity import uuid_bytes
-from gpu_serde.payload import encode_device
+from gpu_serde.format.device import encode_device
 from gpu_serde.testing import spec_cluster_options
 from gpu_serde.wire import dev as rebuild_device
 
@@ -186,7 +186,7 @@ def test_the_dask_quick_start_runs_as_written_against_a_scheduler(dask_cluster):
 
 
 def test_doctor_shows_which_worker_owns_which_gpu(dask_cluster):
-    from gpu_serde import doctor
+    from gpu_serde.tools import doctor
 
     _, _, uuids, address = dask_cluster
     survey = doctor.survey_dask(address)

@@ -18,7 +18,7 @@ from ray.cluster_utils import Cluster
 import gpu_serde
 import gpu_serde.ray
 from gpu_serde.identity import uuid_bytes
-from gpu_serde.payload import encode_device
+from gpu_serde.format.device import encode_device
 from gpu_serde.wire import dev as rebuild_device
 
 pytest.importorskip("markdown_it", reason="the docs extra reads the README's code blocks")

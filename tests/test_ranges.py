@@ -1,4 +1,4 @@
-"""The arena's sub-allocator (gpu_serde.ranges): ranges never overlap, every byte comes back after
+"""The arena's sub-allocator (gpu_serde.memory.arena.ranges): ranges never overlap, every byte comes back after
 the frees, and free neighbours are always merged into one range."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from gpu_serde.ranges import ALIGN, Ranges, align_up
+from gpu_serde.memory.arena.ranges import ALIGN, Ranges, align_up
 
 SIZE = 64 * ALIGN
 

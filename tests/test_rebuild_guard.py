@@ -25,9 +25,9 @@ from gpu_serde import (
     wire,
 )
 from gpu_serde.device import device_payload
-from gpu_serde.handoff import BOOT_ID
-from gpu_serde.payload import encode_device
-from gpu_serde.vmm import options_payload
+from gpu_serde.hostid import host_id
+from gpu_serde.format.device import encode_device
+from gpu_serde.memory.vmm import options_payload
 
 RECONSTRUCTORS = [
     wire.dev,
@@ -256,14 +256,14 @@ def test_a_payload_error_shows_crafted_text_escaped(installed, fn):
 
 
 def test_a_broker_address_with_control_characters_is_a_payload_error(installed):
-    pool = (1, None, BOOT_ID, "@gpu\x1b[31m\n", bytes(16), bytes(16))
+    pool = (1, None, host_id(), "@gpu\x1b[31m\n", bytes(16), bytes(16))
     with pytest.raises(PayloadError, match="printable ASCII"):
         gpu_serde.resolve(wire.pool(pool))
 
 
 def test_a_placeholder_of_memory_whose_gpu_is_not_here_shows_on_one_line(installed):
     stranger = encode_device(bytes(range(16)), False, 3, 42, "node-b", "NVIDIA H200")
-    got = wire.pool((1, stranger, BOOT_ID, "@gpu_serde-nobody", bytes(16), bytes(16)))
+    got = wire.pool((1, stranger, host_id(), "@gpu_serde-nobody", bytes(16), bytes(16)))
     with pytest.raises(DeviceNotVisibleError):
         gpu_serde.resolve(got)
     assert "\n" not in repr(got) and "not visible" in repr(got)

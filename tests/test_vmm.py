@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 import gpu_serde
 from gpu_serde import OtherHostError, PayloadError, UnresolvedObject
-from gpu_serde.handoff import BOOT_ID
-from gpu_serde.vmm import options_payload
+from gpu_serde.hostid import host_id
+from gpu_serde.memory.vmm import options_payload
 from gpu_serde.wire import vbuf, vmm, vmo
 from helpers import run_child
 
@@ -94,7 +94,7 @@ def test_an_option_value_this_cuda_core_does_not_know_is_a_payload_error_placeho
 
 
 def test_a_vmm_buffer_from_another_host_is_a_placeholder(installed):
-    from gpu_serde.vmm import resource_payload
+    from gpu_serde.memory.vmm import resource_payload
 
     res = resource_payload(VirtualMemoryResource(Device(0))).wire()
     p = (1, res, bytes(16), "@gpu_serde-test-nobody", bytes(16), 1 << 21, bytes(range(16)))
@@ -132,7 +132,7 @@ def test_malformed_vmm_payloads_are_named(installed):
     with pytest.raises(PayloadError, match="tuple of 3"):
         gpu_serde.resolve(vmm((1, None)))
     with pytest.raises(PayloadError, match="names its device"):
-        gpu_serde.resolve(vbuf((1, (1, None, good), BOOT_ID, "@x", bytes(16), 10, bytes(16))))
+        gpu_serde.resolve(vbuf((1, (1, None, good), host_id(), "@x", bytes(16), 10, bytes(16))))
 
 
 def test_option_values_cuda_core_accepts_are_sent_as_plain_ints(installed):

@@ -1,13 +1,8 @@
-"""Dask adapter: a worker plugin and preload that resolve GPU identity on every worker.
+"""Dask: gpu_serde on every worker, through a worker plugin (:func:`register`) or a preload
+(:func:`dask_setup`); and Devices, buffers and pools tokenized without an ordinal.
 
-From a client::
-
-    import gpu_serde.dask
-    gpu_serde.dask.register(client)
-
-Or from the command line: ``dask worker --preload gpu_serde.dask`` and
-``dask scheduler --preload gpu_serde.dask``. The scheduler needs gpu_serde installed (it unpickles
-and re-pickles task arguments) but no GPU and no CUDA driver.
+The scheduler needs gpu_serde installed (it unpickles and re-pickles task arguments) but no GPU
+and no CUDA driver.
 """
 
 from __future__ import annotations
@@ -19,11 +14,12 @@ from typing import Any
 
 from cuda.core import Buffer, Device, DeviceMemoryResource, PinnedMemoryResource
 from dask.tokenize import normalize_token
+from distributed import Client, Scheduler, Worker
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from gpu_serde import dask_transfer
-from gpu_serde.dask_placement import on as on
-from gpu_serde.dask_placement import publish
+from gpu_serde.dask import hosts
+from gpu_serde.dask import serializers as _serializers  # noqa: F401  (registers the Buffer's)
+from gpu_serde.dask.placement import publish
 from gpu_serde.identity import uuid_bytes
 from gpu_serde.inventory import inventory, set_role, uuid_of
 from gpu_serde.registry import ensure_installed
@@ -67,12 +63,12 @@ async def _setup_worker(worker: Any) -> None:
     logger.debug(
         "gpu_serde: dask worker %s pid %d:\n%s", worker.address, os.getpid(), inv.describe()
     )
-    dask_transfer.mark(worker.connection_args)  # its host, to the peers it asks for data
+    hosts.mark(worker.connection_args)  # its host, to the peers it asks for data
     published = publish(worker)  # its own GPU as a resource, for on()
     if published is not None:
         await published
-    await dask_transfer.join(worker.scheduler, worker.address)
-    dask_transfer.start_following(worker.scheduler, _worker_alive(worker))
+    await hosts.join(worker.scheduler, worker.address)
+    hosts.start_following(worker.scheduler, _worker_alive(worker))
 
 
 class GPUSerdePlugin(WorkerPlugin):
@@ -80,7 +76,7 @@ class GPUSerdePlugin(WorkerPlugin):
 
     ``setup`` installs the reducers, warms the GPU inventory, names the worker in error
     messages, publishes the worker's own GPU (for :func:`on`) and its host (so that buffers reach
-    it mapped from its own host and by value from others: :mod:`gpu_serde.dask_transfer`). It is
+    it mapped from its own host and by value from others: :mod:`gpu_serde.dask.serializers`). It is
     idempotent (registering it again is a no-op) and has the fixed name ``"gpu_serde"``.
     """
 
@@ -90,10 +86,6 @@ class GPUSerdePlugin(WorkerPlugin):
     async def setup(self, worker: Any) -> None:
         """Install gpu_serde in ``worker``'s process and publish what it has."""
         await _setup_worker(worker)
-
-    async def teardown(self, worker: Any) -> None:
-        """Withdraw the worker's host from the cluster's table."""
-        await dask_transfer.leave(worker.scheduler, worker.address)
 
 
 def register(client: Any) -> Awaitable[None] | None:
@@ -110,15 +102,13 @@ def register(client: Any) -> Awaitable[None] | None:
     Raises:
         TypeError: ``client`` is not a ``distributed.Client``.
     """
-    from distributed import Client
-
     if not isinstance(client, Client):
         raise TypeError(
             f"gpu_serde.dask.register() takes a distributed.Client, not {type(client).__name__}"
         )
     ensure_installed("Dask")
     set_role("dask client")
-    dask_transfer.mark(client.connection_args)
+    hosts.mark(client.connection_args)
     if client.asynchronous:
         return _register_async(client)
     client.register_plugin(GPUSerdePlugin())
@@ -127,9 +117,9 @@ def register(client: Any) -> Awaitable[None] | None:
 
 
 async def _join_client(client: Any) -> None:
-    await dask_transfer.join(client.scheduler, f"client {client.id}")
+    await hosts.join(client.scheduler, f"client {client.id}")
     alive = lambda: client.status not in ("closing", "closed")  # noqa: E731
-    dask_transfer.start_following(client.scheduler, alive)
+    hosts.start_following(client.scheduler, alive)
 
 
 async def _register_async(client: Any) -> None:
@@ -138,11 +128,14 @@ async def _register_async(client: Any) -> None:
 
 
 async def dask_setup(service: Any) -> None:
-    """Preload hook: ``dask worker --preload gpu_serde.dask`` / ``dask scheduler --preload ...``."""
-    from distributed import Worker
+    """Preload hook: ``dask worker --preload gpu_serde.dask`` / ``dask scheduler --preload ...``.
 
+    In a worker it does what :class:`GPUSerdePlugin` does; in a scheduler it installs gpu_serde
+    and the host table's plugin (:class:`~gpu_serde.dask.hosts.HostTablePlugin`)."""
     if isinstance(service, Worker):
         await _setup_worker(service)
-    else:
-        ensure_installed("Dask")
-        set_role(f"dask {type(service).__name__.lower()} {getattr(service, 'address', '')}")
+        return
+    ensure_installed("Dask")
+    set_role(f"dask {type(service).__name__.lower()} {getattr(service, 'address', '')}")
+    if isinstance(service, Scheduler):
+        service.add_plugin(hosts.HostTablePlugin(), idempotent=True)

@@ -37,8 +37,12 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
 from gpu_serde.errors import DeviceNotVisibleError, PlacementError
-from gpu_serde.placement import target_uuid
+from gpu_serde.inventory import inventory
+from gpu_serde.routing import target_uuid
 
 UNMASK = {"RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}  # Ray < 2.60: don't blank num_gpus=0 tasks
 SURVEY_TIMEOUT_S = 120
@@ -72,10 +76,6 @@ _views: dict[str, NodeView] = {}
 def survey() -> tuple[str, list[str], str]:
     """Runs on a node (as a ``num_gpus=0`` task): its node id, the canonical UUIDs its workers see,
     and why none when empty."""
-    import ray
-
-    from gpu_serde.inventory import inventory
-
     inv = inventory()
     return ray.get_runtime_context().get_node_id(), [d.uuid for d in inv.devices], inv.reason
 
@@ -83,9 +83,6 @@ def survey() -> tuple[str, list[str], str]:
 def _survey(nodes: list[dict[str, Any]]) -> dict[str, NodeView]:
     """Ask each of ``nodes`` what its workers see; cache the answers (not the failures, which a
     later call asks again)."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     task = ray.remote(num_cpus=0, num_gpus=0, max_retries=0)(survey)
     env = {"env_vars": {**UNMASK, "GPU_SERDE_WORKER": "survey"}}  # a fresh worker, all GPUs
     refs = {}
@@ -116,8 +113,6 @@ def node_views() -> list[NodeView]:
     Raises:
         RuntimeError: Ray is not initialised in this process.
     """
-    import ray
-
     if not ray.is_initialized():
         raise RuntimeError(
             "gpu_serde.ray.on() needs a connected Ray: call gpu_serde.ray.init() first"
@@ -160,7 +155,7 @@ def on(
 
     Args:
         device: what the work is for: a Device, a placeholder, a device memory resource, a
-            buffer, or a list of them on one GPU (:func:`gpu_serde.placement.target_uuid`).
+            buffer, or a list of them on one GPU (:func:`gpu_serde.routing.target_uuid`).
         runtime_env: the task's own runtime_env, to merge the GPU's ``env_vars`` into.
         exclusive: also hold ``resources={uuid: 1}``, so that one routed task at a time uses
             the GPU; the node must declare that resource (``ray start --resources``).
@@ -177,8 +172,6 @@ def on(
         TypeError: ``device`` is not one of those; ``runtime_env`` is not a dict.
         RuntimeError: Ray is not initialised here.
     """
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     uuid = target_uuid(device)
     if runtime_env is not None and not isinstance(runtime_env, dict):
         raise TypeError(f"runtime_env must be a dict, not {type(runtime_env).__name__}")

@@ -15,9 +15,10 @@ A device payload is one ``bytes`` object, never a nested pickle (little-endian):
 Ordinal, pid, host and name say where the sender had the GPU; they appear only in error messages
 (text is decoded with replacement characters, so odd bytes there cannot fail a receiver, and is
 escaped by :func:`gpu_serde.text.safe` wherever it is shown). Memory payloads, which nest device
-payloads, are in :mod:`gpu_serde.memory_payload`. The
-decoder accepts exactly the versions it knows and raises :class:`~gpu_serde.PayloadError` for
-anything else. One flat ``bytes`` keeps a payload small and quick to unpickle.
+payloads, are in :mod:`gpu_serde.format.memory`. The decoder accepts exactly the versions it knows
+and raises :class:`~gpu_serde.PayloadError` for anything else. One flat ``bytes`` keeps a payload
+small and quick to unpickle. :func:`raw_uuid` is the one place that reads the UUID field of a
+validated payload.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ FLAG_MIG = 1
 MAX_TEXT = 255
 HEADER = struct.Struct("<B16sBHI")
 MIN_SIZE = HEADER.size + 1
-MAX_SIZE = HEADER.size + 2 * MAX_TEXT + 1
+MAX_BYTES = HEADER.size + 2 * MAX_TEXT + 1
 
 
 class DevicePayload(NamedTuple):
@@ -71,6 +72,11 @@ def encode_device(uuid: bytes, mig: bool, ordinal: int, pid: int, host: str, nam
     return head + _text(host) + b"\0" + _text(name)
 
 
+def raw_uuid(p: bytes) -> bytes:
+    """The 16 raw UUID bytes of a validated device payload (the field that names the GPU)."""
+    return p[1:17]
+
+
 def _safe_repr(value: object) -> str:
     return safe(describe(value))  # never the value's own repr: it may come from the sender
 
@@ -98,7 +104,7 @@ def validate_device(p: object) -> bytes:
         PayloadError: not bytes, too short or too long, an unknown version or flag, or a host or
             name field out of bounds.
     """
-    if type(p) is bytes and MIN_SIZE <= len(p) <= MAX_SIZE and p[0] == VERSION and p[17] <= 1:
+    if type(p) is bytes and MIN_SIZE <= len(p) <= MAX_BYTES and p[0] == VERSION and p[17] <= 1:
         sep = p.find(b"\0", 24)
         if 24 <= sep <= 24 + MAX_TEXT and len(p) - sep - 1 <= MAX_TEXT:
             return p
@@ -115,8 +121,8 @@ def _explain(p: object) -> PayloadError:
         return version_error("device", p[0], p)
     if len(p) < MIN_SIZE:
         return fail(f"truncated: {len(p)} bytes, at least {MIN_SIZE} expected", p)
-    if len(p) > MAX_SIZE:
-        return fail(f"{len(p)} bytes, at most {MAX_SIZE} allowed", p)
+    if len(p) > MAX_BYTES:
+        return fail(f"{len(p)} bytes, at most {MAX_BYTES} allowed", p)
     if p[17] & ~FLAG_MIG:
         return fail(f"unknown flags {p[17]:#x}", p)
     sep = p.find(b"\0", 24)

@@ -19,23 +19,57 @@ in wire order::
     unsent   (1, what (str), error type name (str), message (str)): an object its sender could
               not send, as a Dask serializer reports it (text of at most 4000 characters each)
 
-Every validator raises :class:`~gpu_serde.PayloadError` for anything else.
+Each kind is one named tuple whose ``wire()`` is the encoder, followed by its ``decode_*``: both
+ways side by side, and the one place that builds these tuples. Every decoder raises
+:class:`~gpu_serde.PayloadError` for anything else. Sizes and offsets stay under :data:`MAX_SIZE`.
+
+A sent block's hold names the block it was issued for (:func:`block_digest`): a buffer payload's
+:attr:`~BufferPayload.block` is what the exporter's broker compares before it counts an acquire, so
+that a payload cannot borrow another block's hold. A pool's or region's
+:attr:`~PoolPayload.identity` is what the broker answers with the descriptor, so that a payload
+cannot claim another pool or region, or another size, for a real descriptor.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, NamedTuple
 
-from gpu_serde.payload import VERSION, fail, validate_device, version_error
+from gpu_serde.format.device import VERSION, fail, validate_device, version_error
 
 ADDRESS_MAX = 100
 IPC_DESCRIPTOR_BYTES = 64  # cuMemPoolExportPointer's opaque data: the driver reads all 64
 IPC_EVENT_BYTES = 64  # cuIpcGetEventHandle's opaque data (CUipcEventHandle)
-MAX_SIZE = 1 << 62  # no size or offset on the wire is this large
+MAX_SIZE = 1 << 62  #: no size or offset on the wire is this large
+TEXT_MAX = 4000  #: the longest text an unsent payload carries
 MAX_PEERS = 64
 ZERO_COPY_KINDS = ("buf", "vbuf", "abuf")  # what a portable buffer's zero-copy part may be
 _OPTION_TEXT = 32  # longest enum value accepted in VMM options
 _WORD = range(1, _OPTION_TEXT + 1)
+
+
+def block_digest(*fields: bytes | int) -> bytes:
+    """16 bytes that name one exported block or descriptor by its fields (ids, sizes, offsets):
+    what an acquire or a fetch is checked against at the exporter's broker."""
+    h = hashlib.blake2b(digest_size=16)
+    for f in fields:
+        h.update(f if isinstance(f, bytes) else f.to_bytes(8, "little"))
+        h.update(b"\0")
+    return h.digest()
+
+
+def pool_identity(pool: bytes) -> bytes:
+    """What a pool's descriptor is offered as: its pool id."""
+    return block_digest(b"pool", pool)
+
+
+def region_identity(region: bytes, size: int) -> bytes:
+    """What an arena region's descriptor is offered as: its id and size."""
+    return block_digest(b"region", region, size)
+
+
+def _size(value: object) -> bool:
+    return type(value) is int and 0 < value < MAX_SIZE
 
 
 class PoolPayload(NamedTuple):
@@ -52,6 +86,11 @@ class PoolPayload(NamedTuple):
         """The plain tuple that travels."""
         return tuple(self)
 
+    @property
+    def identity(self) -> bytes:
+        """What the exporter's broker answers with this pool's descriptor."""
+        return pool_identity(self.pool)
+
 
 class BufferPayload(NamedTuple):
     """A buffer of an IPC-enabled pool: the pool, cuda.core's 64 exported bytes, size, hold."""
@@ -65,6 +104,11 @@ class BufferPayload(NamedTuple):
     def wire(self) -> tuple[Any, ...]:
         """The plain tuple that travels."""
         return (self.version, self.pool.wire(), self.reserved, self.size, self.token)
+
+    @property
+    def block(self) -> bytes:
+        """The block its hold was issued for: the pool, the exported bytes, the size."""
+        return block_digest(b"buf", self.pool.pool, self.reserved, self.size)
 
 
 class OptionsPayload(NamedTuple):
@@ -122,6 +166,16 @@ class VbufPayload(NamedTuple):
             self.fd_token,
         )
 
+    @property
+    def block(self) -> bytes:
+        """The block its hold was issued for: its descriptor's token and size."""
+        return block_digest(b"vbuf", self.fd_token, self.size)
+
+    @property
+    def identity(self) -> bytes:
+        """What the exporter's broker answers with the buffer's descriptor."""
+        return block_digest(b"vbuf-fd", self.size)
+
 
 class RegionPayload(NamedTuple):
     """An :class:`~gpu_serde.ArenaMemoryResource`'s region: its GPU, host, broker, the token for
@@ -140,6 +194,11 @@ class RegionPayload(NamedTuple):
         """The plain tuple that travels."""
         return tuple(self)
 
+    @property
+    def identity(self) -> bytes:
+        """What the exporter's broker answers with the region's descriptor: its id and size."""
+        return region_identity(self.region, self.size)
+
 
 class AbufPayload(NamedTuple):
     """A buffer of an arena: its region, where it lies in it, and the token that holds it."""
@@ -153,6 +212,11 @@ class AbufPayload(NamedTuple):
     def wire(self) -> tuple[Any, ...]:
         """The plain tuple that travels."""
         return (self.version, self.region.wire(), self.offset, self.size, self.hold)
+
+    @property
+    def block(self) -> bytes:
+        """The block its hold was issued for: its region, offset and size."""
+        return block_digest(b"abuf", self.region.region, self.offset, self.size)
 
 
 def _fields(kind: str, p: object, n: int) -> tuple[Any, ...]:
@@ -215,7 +279,7 @@ def decode_buffer(p: object) -> BufferPayload:
     pool_p = decode_pool(pool)
     if type(reserved) is not bytes or len(reserved) != IPC_DESCRIPTOR_BYTES:
         raise fail(f"the IPC descriptor must be {IPC_DESCRIPTOR_BYTES} bytes", p)
-    if type(size) is not int or not 0 < size < 1 << 62:
+    if not _size(size):
         raise fail("the size must be a positive int", p)
     if not _id16(token):
         raise fail("the token must be 16 bytes", p)
@@ -280,7 +344,7 @@ def decode_vbuf(p: object) -> VbufPayload:
     if resource.device is None:
         raise fail("a VMM buffer payload names its device", p)
     validate_exporter(boot, address, p)
-    if type(size) is not int or not 0 < size < 1 << 62:
+    if not _size(size):
         raise fail("the size must be a positive int", p)
     if not _id16(hold) or not _id16(fd_token):
         raise fail("the tokens must be 16 bytes each", p)
@@ -298,7 +362,7 @@ def decode_region(p: object) -> RegionPayload:
     validate_exporter(boot, address, p)
     if not _id16(token) or not _id16(region):
         raise fail("the token and the region id must be 16 bytes each", p)
-    if type(size) is not int or not 0 < size < MAX_SIZE:
+    if not _size(size):
         raise fail("the region size must be a positive int", p)
     if type(event) is not bytes or len(event) != IPC_EVENT_BYTES:
         raise fail(f"the IPC event handle must be {IPC_EVENT_BYTES} bytes", p)
@@ -343,6 +407,10 @@ class PortablePayload(NamedTuple):
     inner: Any
     copy: HostCopyPayload
 
+    def wire(self) -> tuple[Any, ...]:
+        """The plain tuple that travels."""
+        return (self.version, self.kind, self.inner, self.copy.wire())
+
 
 def validate_target(dev: object, size: object, p: object = None) -> tuple[bytes | None, int]:
     """Check a copy's device payload (or None: pinned host memory) and size; return them.
@@ -352,7 +420,7 @@ def validate_target(dev: object, size: object, p: object = None) -> tuple[bytes 
     """
     if dev is not None:
         validate_device(dev)
-    if type(size) is not int or not 0 < size < 1 << 62:
+    if not _size(size):
         raise fail("the size must be a positive int", (dev, size) if p is None else p)
     return dev, size  # type: ignore[return-value]
 
@@ -398,6 +466,10 @@ class UnsentPayload(NamedTuple):
     error: str
     message: str
 
+    def wire(self) -> tuple[Any, ...]:
+        """The plain tuple that travels (each text cut to :data:`TEXT_MAX` characters)."""
+        return (self.version, self.what[:TEXT_MAX], self.error[:TEXT_MAX], self.message[:TEXT_MAX])
+
 
 def decode_unsent(p: object) -> UnsentPayload:
     """Validate an unsent-object payload.
@@ -406,6 +478,8 @@ def decode_unsent(p: object) -> UnsentPayload:
         PayloadError: anything else.
     """
     _, what, error, message = _fields("unsent object", p, 4)
-    if not all(type(t) is str and len(t) <= 4000 for t in (what, error, message)):
-        raise fail("an unsent object payload holds three strings of at most 4000 characters", p)
+    if not all(type(t) is str and len(t) <= TEXT_MAX for t in (what, error, message)):
+        raise fail(
+            f"an unsent object payload holds three strings of at most {TEXT_MAX} characters", p
+        )
     return UnsentPayload(VERSION, what, error, message)

@@ -39,12 +39,11 @@ from typing import Any
 import ray
 from cuda.core import Buffer
 
-from gpu_serde import handled, hostcopy, wire
 from gpu_serde.errors import NotIPCEnabledError, OtherHostError
+from gpu_serde.format.device import VERSION
+from gpu_serde.format.memory import decode_hbuf
 from gpu_serde.hostid import host_id
-from gpu_serde.memory_payload import decode_hbuf
-from gpu_serde.payload import VERSION
-from gpu_serde.placeholders import body
+from gpu_serde.memory import buffers, bycopy
 
 #: The transport's name, as ``@ray.method(tensor_transport=...)`` and ``.options(...)`` take it.
 TRANSPORT = "GPU_SERDE"
@@ -96,7 +95,7 @@ def _host_copy(actor: Any, obj_id: str, index: int) -> Any:
             f"the sending actor no longer holds buffer {index} of object {obj_id[:16]}: it was "
             "freed before this receiver on another host fetched a copy"
         )
-    return hostcopy.to_host(buf).obj  # the NumPy array the copy is in
+    return bycopy.to_host(buf).obj  # the NumPy array the copy is in
 
 
 if TensorTransportManager is not None:
@@ -137,11 +136,10 @@ if TensorTransportManager is not None:
             copies: list[tuple[bytes | None, int]] = []
             for i, buf in enumerate(rdt_object):
                 try:
-                    fn, (payload,) = handled.reduce_buffer(buf)
-                    payloads.append((fn.__name__, payload))
+                    payloads.append(buffers.zero_copy(buf))
                 except NotIPCEnabledError:
                     payloads.append(None)  # only a copy can reach another process
-                copies.append((hostcopy.device_of(buf), int(buf.size)))
+                copies.append((bycopy.device_of(buf), int(buf.size)))
                 _served[(obj_id, i)] = buf
             ctx = ray.get_runtime_context()
             return BufferMetadata(
@@ -188,7 +186,7 @@ if TensorTransportManager is not None:
 def _receive(obj_id: str, index: int, meta: Any, mapped: bool) -> Buffer:
     if mapped:
         kind, payload = meta.payloads[index]
-        return body(getattr(wire, kind))(payload)
+        return buffers.rebuild_zero_copy(kind, payload)
     if meta.source is None:
         raise OtherHostError(
             f"a Buffer that a Ray driver or task put with the {TRANSPORT} transport reached "
@@ -201,4 +199,4 @@ def _receive(obj_id: str, index: int, meta: Any, mapped: bool) -> Buffer:
         )
     )
     device, size = meta.copies[index]
-    return hostcopy.upload(decode_hbuf((VERSION, device, size, array)))
+    return bycopy.upload(decode_hbuf((VERSION, device, size, array)))

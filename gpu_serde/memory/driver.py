@@ -1,15 +1,15 @@
-"""Arena regions at the driver level: the VMM calls that make, export, map and free a region, the
-IPC event that orders a hand-off, and each importing process's cache of the regions it mapped.
+"""The driver calls that memory hand-offs make, in one place: errors, contexts, VMM allocations
+(make, export, import, map, unmap), and the events that order a hand-off.
 
-A region is one physical allocation (``cuMemCreate``, with a POSIX-descriptor handle) mapped at one
-address range. Its exporter (:class:`~gpu_serde.ArenaMemoryResource`) makes it once, exports its
-descriptor once (served by the exporter's broker) and sub-allocates it; every importing process
-maps it once (:func:`attach`: ``cuMemImportFromShareableHandle``, ``cuMemAddressReserve``,
-``cuMemMap``, ``cuMemSetAccess`` for its own device) and keeps the mapping for its life, so a
-hand-off afterwards is an offset, with no driver call that grows with its size.
+A VMM allocation (``cuMemCreate`` with a POSIX-descriptor handle) is what an
+:class:`~gpu_serde.ArenaMemoryResource` region is, and what a ``VirtualMemoryResource`` buffer is
+backed by: both export a descriptor (:func:`export_here`), and an importer maps it
+(:func:`import_and_map`: ``cuMemImportFromShareableHandle``, ``cuMemAddressReserve``,
+``cuMemMap``, ``cuMemSetAccess``).
 
-Every call takes the device's primary context for its duration (:func:`context`) and gives the
-thread's own back: these run in the user's threads, the broker's and during garbage collection.
+Calls that take an ``ordinal`` push the device's primary context for their duration
+(:func:`context`) and give the thread's own back: they run in the user's threads, the broker's and
+during garbage collection.
 """
 
 from __future__ import annotations
@@ -19,19 +19,14 @@ import ctypes
 import os
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from cuda.bindings import driver
+from cuda.core import Device
 
-from gpu_serde import broker as _broker
-from gpu_serde import handoff
 from gpu_serde import inventory as _inventory
 from gpu_serde.errors import HandoffError
-from gpu_serde.memory_payload import IPC_EVENT_BYTES, RegionPayload
-from gpu_serde.payload import decode_device
-from gpu_serde.placeholders import not_visible_error
-from gpu_serde.text import quoted
+from gpu_serde.format.memory import IPC_EVENT_BYTES
 
 _POSIX_FD = driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 _SUCCESS = driver.CUresult.CUDA_SUCCESS
@@ -75,6 +70,35 @@ def context(ordinal: int) -> Iterator[None]:
         driver.cuCtxPopCurrent()
 
 
+@contextlib.contextmanager
+def current(dev: Device) -> Iterator[None]:
+    """Make ``dev`` current for the block (cuda.core's way), then restore the thread's previous
+    context."""
+    prev = driver.cuCtxGetCurrent()[1]
+    dev.set_current()
+    try:
+        yield
+    finally:
+        driver.cuCtxSetCurrent(prev)
+
+
+def any_device() -> Device:
+    """This thread's current Device, or the first visible one, for work that needs a context but
+    no particular GPU (pinned host memory).
+
+    Raises:
+        HandoffError: this process sees no GPU.
+    """
+    inv = _inventory.inventory()
+    if not inv.devices:
+        raise HandoffError(
+            "host memory (a pinned pool, or a VirtualMemoryResource of host memory) needs a CUDA "
+            f"device in the receiving process to map it, and this process sees none: "
+            f"{inv.describe()}"
+        )
+    return Device()
+
+
 def _prop(ordinal: int) -> Any:
     prop = driver.CUmemAllocationProp()
     prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
@@ -84,12 +108,23 @@ def _prop(ordinal: int) -> Any:
     return prop
 
 
-def _access(ordinal: int) -> list[Any]:
-    d = driver.CUmemAccessDesc()
-    d.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    d.location.id = ordinal
-    d.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-    return [d]
+#: Access flags by the names VMM options use.
+ACCESS = {
+    "rw": driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    "r": driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ,
+}
+
+
+def access(targets: list[tuple[int, Any]]) -> list[Any]:
+    """``cuMemSetAccess`` descriptors granting each ``(device ordinal, flags)``."""
+    descs = []
+    for ordinal, flags in targets:
+        d = driver.CUmemAccessDesc()
+        d.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        d.location.id = ordinal
+        d.flags = flags
+        descs.append(d)
+    return descs
 
 
 def granularity(ordinal: int) -> int:
@@ -105,22 +140,43 @@ def granularity(ordinal: int) -> int:
         )
 
 
-def _map(handle: Any, size: int, ordinal: int) -> int:
-    """Reserve an address range, map ``handle`` there and grant device ``ordinal`` access; the
-    mapping holds the memory (the caller releases its handle)."""
+def map_handle(handle: Any, size: int, descs: list[Any]) -> int:
+    """Reserve an address range, map ``handle`` there and grant the access ``descs`` say (none:
+    no access is set); the mapping holds the memory (the caller releases its handle). In the
+    current context.
+
+    Raises:
+        HandoffError: the driver refused (the address range is freed again).
+    """
     ptr = check("cuMemAddressReserve", driver.cuMemAddressReserve(size, 0, 0, 0))
     try:
         check("cuMemMap", driver.cuMemMap(ptr, size, 0, handle, 0))
-        try:
-            descs = _access(ordinal)
-            check("cuMemSetAccess", driver.cuMemSetAccess(ptr, size, descs, len(descs)))
-        except Exception:
-            driver.cuMemUnmap(ptr, size)
-            raise
+        if descs:
+            try:
+                check("cuMemSetAccess", driver.cuMemSetAccess(ptr, size, descs, len(descs)))
+            except Exception:
+                driver.cuMemUnmap(ptr, size)
+                raise
     except Exception:
         driver.cuMemAddressFree(ptr, size)
         raise
     return int(ptr)
+
+
+def import_and_map(fd: int, size: int, descs: list[Any]) -> int:
+    """Import the allocation behind descriptor ``fd`` (the caller closes it) and map it here with
+    the access ``descs`` say; in the current context. Undo with :func:`unmap_here`.
+
+    Raises:
+        HandoffError: the driver refused.
+    """
+    handle = check(
+        "cuMemImportFromShareableHandle", driver.cuMemImportFromShareableHandle(fd, _POSIX_FD)
+    )
+    try:
+        return map_handle(handle, size, descs)
+    finally:
+        driver.cuMemRelease(handle)  # the mapping keeps the memory
 
 
 def create(ordinal: int, size: int) -> int:
@@ -133,7 +189,8 @@ def create(ordinal: int, size: int) -> int:
     with context(ordinal):
         handle = check("cuMemCreate", driver.cuMemCreate(size, _prop(ordinal), 0))
         try:
-            return _map(handle, size, ordinal)
+            flags = ACCESS["rw"]
+            return map_handle(handle, size, access([(ordinal, flags)]))
         finally:
             driver.cuMemRelease(handle)  # the mapping keeps the memory
 
@@ -142,6 +199,13 @@ def unmap(ordinal: int, base: int, size: int) -> None:
     """Unmap a region here and free its address range (its memory goes once no process maps it
     and no descriptor of it is open). Never raises."""
     with contextlib.suppress(Exception), context(ordinal):
+        unmap_here(base, size)
+
+
+def unmap_here(base: int, size: int) -> None:
+    """Unmap ``size`` bytes at ``base`` and free the address range, in the current context.
+    Never raises."""
+    with contextlib.suppress(Exception):
         driver.cuMemUnmap(base, size)
         driver.cuMemAddressFree(base, size)
 
@@ -207,6 +271,15 @@ def record_after(event: Any, stream: int) -> None:
     check("cuEventRecord", driver.cuEventRecord(event, stream))
 
 
+def wait(event: Any) -> None:
+    """Block until ``event`` has completed.
+
+    Raises:
+        HandoffError: the driver refused (the exporter's context is gone, ...).
+    """
+    check("cuEventSynchronize", driver.cuEventSynchronize(event))
+
+
 def done(event: Any) -> bool:
     """True when ``event`` has completed (or was never recorded)."""
     return bool(driver.cuEventQuery(event)[0] != _NOT_READY)
@@ -220,106 +293,28 @@ def destroy(ordinal: int, events: list[Any]) -> None:
             driver.cuEventDestroy(event)
 
 
-# ---- the importer's side: each region mapped once per process ----
-@dataclass(frozen=True)
-class Region:
-    """A region mapped in this process: where, on which of this process's devices, and the
-    exporter's event (opened here) that a hand-off waits for."""
-
-    id: bytes
-    wire: tuple[Any, ...]  #: the region payload it was mapped for
-    base: int
-    size: int
-    ordinal: int
-    event: Any
-
-    def wait(self) -> None:
-        """Block until the exporter's work before its latest hand-off from this region is done.
-
-        Raises:
-            HandoffError: the driver refused (the exporter's context is gone, ...).
-        """
-        check("cuEventSynchronize", driver.cuEventSynchronize(self.event))
-
-
-_attached: dict[bytes, Region] = {}  # region id -> the region mapped here
-_lock = threading.Lock()
-maps = 0  #: how many regions this process has mapped (each once): tests read it
-
-
-def attach(p: RegionPayload, wire: tuple[Any, ...]) -> Region:
-    """The region that ``p`` names, mapped in this process: the first time (per region and
-    process) after the host check, the device by UUID, the descriptor from the exporter's broker,
-    the mapping and the opening of its event; every later time from the cache.
+def open_ipc_event(handle_bytes: bytes) -> Any:
+    """Open an exporter's inter-process event from its ``cuIpcGetEventHandle`` bytes, in the
+    current context.
 
     Raises:
-        OtherHostError, DeviceNotVisibleError, ExporterGoneError, TokenRefusedError: as for a
-            pool; HandoffError: the driver refused to import, map or open, or another region
-            claims the same id.
+        HandoffError: the driver refused.
     """
-    global maps
-    region = _attached.get(p.region)
-    if region is None:
-        with _lock:
-            region = _attached.get(p.region)
-            if region is None:
-                region = _attached[p.region] = _map_region(p, wire)
-                maps += 1
-    if region.wire != wire:
-        raise HandoffError(
-            "this arena payload names a region this process mapped from another exporter: "
-            "refused (a forged or corrupted payload)"
-        )
-    return region
+    h = driver.CUipcEventHandle()
+    ctypes.memmove(h.getPtr(), handle_bytes, IPC_EVENT_BYTES)
+    return check("cuIpcOpenEventHandle", driver.cuIpcOpenEventHandle(h))
 
 
-def _map_region(p: RegionPayload, wire: tuple[Any, ...]) -> Region:
-    d = decode_device(p.device)
-    where = f"host {quoted(d.host)} (pid {d.pid}, GPU {d.canonical_uuid})"
-    handoff.check_host(p.boot, f"GPU memory (an ArenaMemoryResource) from {where}")
-    ordinal = _inventory.local_ordinal(d.uuid)
-    if ordinal is None:
-        raise not_visible_error(d, _inventory.inventory())
-    fd = _broker.fetch(p.address, p.token)
-    try:
-        with context(ordinal):
-            handle = check(
-                "cuMemImportFromShareableHandle",
-                driver.cuMemImportFromShareableHandle(fd, _POSIX_FD),
-            )
-            try:
-                base = _map(handle, p.size, ordinal)
-            finally:
-                driver.cuMemRelease(handle)
-            try:
-                h = driver.CUipcEventHandle()
-                ctypes.memmove(h.getPtr(), p.event, IPC_EVENT_BYTES)
-                event = check("cuIpcOpenEventHandle", driver.cuIpcOpenEventHandle(h))
-            except Exception:
-                unmap(ordinal, base, p.size)
-                raise
-    finally:
-        os.close(fd)
-    return Region(p.region, wire, base, p.size, ordinal, event)
-
-
-def attached() -> int:
-    """How many regions are mapped in this process."""
-    return len(_attached)
-
-
-_left_by_fork: list[tuple[dict[Any, Any], dict[Any, Any]]] = []
+_left_by_fork: list[dict[int, Any]] = []
 
 
 def _forget_after_fork() -> None:
-    """A forked child maps nothing of its parent's (CUDA does not survive a fork)."""
-    global _lock, _contexts_lock, maps
-    # kept, never freed: freeing calls the driver, which a forked child must not do before it
-    # execs (it can hang there, as under Ray, whose preexec_fn runs these hooks)
-    _left_by_fork.append((dict(_attached), dict(_contexts)))
-    _attached.clear()
+    """A forked child has none of its parent's contexts (CUDA does not survive a fork): kept,
+    never released (that calls the driver, which a forked child must not do before it execs)."""
+    global _contexts_lock
+    _left_by_fork.append(dict(_contexts))
     _contexts.clear()
-    _lock, _contexts_lock, maps = threading.Lock(), threading.Lock(), 0
+    _contexts_lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)

@@ -1,9 +1,9 @@
-"""Which GPU a piece of work is for: the shared half of ``gpu_serde.dask.on`` and
+"""Routing: which GPU a piece of work is for, the shared half of ``gpu_serde.dask.on`` and
 ``gpu_serde.ray.on``.
 
 :func:`target_uuid` turns what a user hands to ``on()`` (a ``Device``, a placeholder, a pool, a
 buffer, or a list of them) into one canonical GPU UUID. The engine modules
-(:mod:`gpu_serde.dask_placement`, :mod:`gpu_serde.ray_placement`) then find where that GPU is.
+(:mod:`gpu_serde.dask.placement`, :mod:`gpu_serde.ray.placement`) then find where that GPU is.
 """
 
 from __future__ import annotations
@@ -11,18 +11,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from cuda.core import Buffer, Device, MemoryResource
+
 from gpu_serde.errors import DeviceNotVisibleError, PlacementError
 from gpu_serde.inventory import inventory
+from gpu_serde.placeholders import UnresolvedDevice, placeholder_uuid
 
 ACCEPTED = (
     "a cuda.core Device, a gpu_serde.UnresolvedDevice placeholder, a device memory resource "
     "(DeviceMemoryResource, VirtualMemoryResource), a Buffer from one, or a list or tuple of them"
 )
-
-
-def _placeholder_uuid(obj: Any) -> str:
-    """The GPU a received placeholder names (the one place that reads a placeholder's insides)."""
-    return str(obj._uuid)
 
 
 def _local_uuid(ordinal: int, what: str) -> str:
@@ -38,12 +36,8 @@ def _local_uuid(ordinal: int, what: str) -> str:
 
 
 def _one_uuid(obj: Any) -> str:
-    from cuda.core import Buffer, Device, MemoryResource
-
-    from gpu_serde import UnresolvedDevice
-
     if isinstance(obj, UnresolvedDevice):
-        return _placeholder_uuid(obj)
+        return placeholder_uuid(obj)
     if isinstance(obj, Device):
         return _local_uuid(obj.device_id, f"Device({obj.device_id})")
     if isinstance(obj, Buffer):

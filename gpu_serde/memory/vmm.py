@@ -5,13 +5,13 @@ path for VMM buffers. Here the device and the peers travel as device payloads (r
 receiver's own ordinals), and a buffer travels as a POSIX descriptor of its physical allocation
 (``cuMemExportToShareableHandle``), served by the exporter's broker and mapped by the receiver
 with the access the options ask for. As for pools, the exporter keeps the buffer alive until its
-importers have released it (or it exits); failures while rebuilding give placeholders
-(:mod:`gpu_serde.placeholders`). Reduce and rebuild of each type sit side by side.
+importers have released it (or it exits): the lifetime protocol of :mod:`gpu_serde.memory.lifetime`.
+Failures while rebuilding give placeholders (:mod:`gpu_serde.placeholders`). Reduce and rebuild of
+each type sit side by side.
 """
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import operator
 import os
@@ -21,13 +21,12 @@ from cuda.bindings import driver
 from cuda.core import Buffer, Device, VirtualMemoryResource, VirtualMemoryResourceOptions
 from cuda.core import typing as cctyping
 
-from gpu_serde import broker as _broker
-from gpu_serde import handoff, wire
 from gpu_serde import inventory as _inventory
+from gpu_serde import wire
 from gpu_serde.device import device_payload
 from gpu_serde.errors import HandoffError, NotIPCEnabledError, PayloadError
-from gpu_serde.hostid import host_id
-from gpu_serde.memory_payload import (
+from gpu_serde.format.device import VERSION, decode_device, raw_uuid
+from gpu_serde.format.memory import (
     MAX_PEERS,
     OptionsPayload,
     VbufPayload,
@@ -36,9 +35,13 @@ from gpu_serde.memory_payload import (
     decode_vbuf,
     decode_vmm,
 )
-from gpu_serde.payload import VERSION, decode_device
-from gpu_serde.placeholders import define, not_visible_error
-from gpu_serde.regions import check, export_here
+from gpu_serde.hostid import host_id
+from gpu_serde.memory import broker as _broker
+from gpu_serde.memory import driver as _driver
+from gpu_serde.memory import lifetime
+from gpu_serde.memory.driver import check, export_here
+from gpu_serde.memory.lifetime import Import, Imported
+from gpu_serde.placeholders import not_visible_error
 from gpu_serde.text import quoted, safe
 
 #: Option fields sent as the string values of cuda.core's enums (or None), in payload order.
@@ -49,11 +52,6 @@ ENUM_FIELDS = {
     "granularity": "VirtualMemoryGranularityType",
     "self_access": "VirtualMemoryAccessType",
     "peer_access": "VirtualMemoryAccessType",
-}
-_POSIX_FD = driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-_ACCESS = {
-    "rw": driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-    "r": driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ,
 }
 
 
@@ -92,7 +90,7 @@ def options_payload(opts: VirtualMemoryResourceOptions) -> OptionsPayload:
     plain = {f: _plain(f, getattr(opts, f)) for f in ENUM_FIELDS}
     hint = None if opts.addr_hint is None else operator.index(opts.addr_hint)
     align = operator.index(opts.addr_align) if opts.addr_align else None  # 0: the granularity
-    p = (
+    p = OptionsPayload(
         VERSION,
         plain["allocation_type"],
         plain["location_type"],
@@ -106,7 +104,7 @@ def options_payload(opts: VirtualMemoryResourceOptions) -> OptionsPayload:
         plain["peer_access"],
     )
     try:
-        return decode_options(p)  # what a receiver would refuse fails here, at the sender
+        return decode_options(p.wire())  # what a receiver would refuse fails here, at the sender
     except PayloadError as exc:
         raise ValueError(f"these VirtualMemoryResourceOptions cannot be sent: {exc}") from None
 
@@ -166,7 +164,7 @@ def local_options(
     """
     peers = []
     for dp in p.peers:
-        ordinal = _inventory.local_ordinal(dp[1:17])
+        ordinal = _inventory.local_ordinal(raw_uuid(dp))
         if ordinal is None and visible_peers_only:
             continue
         if ordinal is None:
@@ -199,9 +197,6 @@ def rebuild_options(payload: object) -> VirtualMemoryResourceOptions:
     return local_options(decode_options(payload))
 
 
-define(wire.vmo, "VirtualMemoryResourceOptions", rebuild_options, fallback=PayloadError)
-
-
 def local_resource(p: VmmPayload, *, visible_peers_only: bool = False) -> VirtualMemoryResource:
     """A ``VirtualMemoryResource`` on this process's ordinal of the same GPU;
     ``visible_peers_only`` as for :func:`local_options`.
@@ -212,9 +207,9 @@ def local_resource(p: VmmPayload, *, visible_peers_only: bool = False) -> Virtua
         PayloadError: an option value this cuda.core does not know.
     """
     if p.device is None:  # host memory: any device carries the context
-        dev = handoff.any_device()
+        dev = _driver.any_device()
     else:
-        ordinal = _inventory.local_ordinal(p.device[1:17])
+        ordinal = _inventory.local_ordinal(raw_uuid(p.device))
         if ordinal is None:
             raise not_visible_error(decode_device(p.device), _inventory.inventory())
         dev = Device(ordinal)
@@ -232,12 +227,9 @@ def rebuild_resource(payload: object) -> VirtualMemoryResource:
     return local_resource(decode_vmm(payload))
 
 
-define(wire.vmm, "VirtualMemoryResource", rebuild_resource)
-
-
 def _let_go(fd_token: bytes, buf: Buffer) -> None:
     _broker.broker().revoke(fd_token)
-    handoff.let_go(buf)
+    lifetime.let_go_in_context(buf)
 
 
 def _check_whole(ptr: int, size: int) -> None:
@@ -280,62 +272,54 @@ def reduce_buffer(buf: Buffer, mr: VirtualMemoryResource) -> tuple[Any, ...]:
         b = _broker.broker()
         res = resource_payload(mr)  # before anything is offered: it may raise
         ptr = int(buf.handle)
-        with handoff.current(mr.device):
+        with _driver.current(mr.device):
             _check_whole(ptr, buf.size)
             fd = export_here(ptr)
+        p = VbufPayload(VERSION, res, host_id(), b.address, b"", buf.size, b"")
         try:
-            fd_token = b.offer(fd)
+            fd_token = b.offer(fd, p.identity)
         finally:
             os.close(fd)
+        p = p._replace(fd_token=fd_token)
         try:
-            hold = b.hold(buf, lambda obj: _let_go(fd_token, obj), grace=handoff.RELEASE_GRACE_S)
+            hold = lifetime.hold(buf, p.block, lambda obj: _let_go(fd_token, obj))
         except Exception:
             b.revoke(fd_token)
             raise
-        p = VbufPayload(VERSION, res, host_id(), b.address, hold, buf.size, fd_token)
-        return hold, p.wire()
+        return hold, p._replace(hold=hold).wire()
 
-    return (wire.vbuf, (handoff.sent_payload(buf, make),))
+    # closed, it is still mapped in its importers and served by its descriptor while held
+    return (wire.vbuf, (lifetime.send(buf, make, survives_close=True),))
 
 
 def _access(mr: VirtualMemoryResource) -> list[Any]:
-    descs = []
-    owner = _ACCESS.get(_plain("self_access", mr.config.self_access) or "")
-    peer = _ACCESS.get(_plain("peer_access", mr.config.peer_access) or "")
+    owner = _driver.ACCESS.get(_plain("self_access", mr.config.self_access) or "")
+    peer = _driver.ACCESS.get(_plain("peer_access", mr.config.peer_access) or "")
     targets = [(mr.device.device_id, owner)] + [(int(x), peer) for x in mr.config.peers]
-    for ordinal, flags in targets:
-        if flags:
-            d = driver.CUmemAccessDesc()
-            d.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-            d.location.id = ordinal
-            d.flags = flags
-            descs.append(d)
-    return descs
+    return _driver.access([(ordinal, flags) for ordinal, flags in targets if flags])
 
 
-def _map(fd: int, size: int, mr: VirtualMemoryResource) -> int:
-    """Import the allocation behind ``fd`` and map it here with ``mr``'s access; the mapping
-    keeps it alive (``mr.deallocate`` unmaps and frees the address range)."""
-    handle = check(
-        "cuMemImportFromShareableHandle", driver.cuMemImportFromShareableHandle(fd, _POSIX_FD)
+class ImportedVmm(Imported):
+    """The memory resource of a ``VirtualMemoryResource`` buffer received from another process
+    (``buf.memory_resource`` on the receiver): the exporter's allocation mapped here, with the
+    access its options grant. :attr:`resource` is this process's resource with the same settings
+    (it allocates here). Closing the buffer unmaps it and tells the exporter
+    (:class:`~gpu_serde.memory.lifetime.Imported` says when)."""
+
+    refusal = (
+        "a VirtualMemoryResource buffer received from another process cannot allocate: "
+        "allocate from its .resource (this process's own) or in the exporting process"
     )
-    try:
-        ptr = check("cuMemAddressReserve", driver.cuMemAddressReserve(size, 0, 0, 0))
-        try:
-            check("cuMemMap", driver.cuMemMap(ptr, size, 0, handle, 0))
-            descs = _access(mr)
-            if descs:
-                try:
-                    check("cuMemSetAccess", driver.cuMemSetAccess(ptr, size, descs, len(descs)))
-                except Exception:
-                    driver.cuMemUnmap(ptr, size)
-                    raise
-        except Exception:
-            driver.cuMemAddressFree(ptr, size)
-            raise
-    finally:
-        driver.cuMemRelease(handle)
-    return int(ptr)
+
+    def __init__(self, resource: VirtualMemoryResource, hold: Import) -> None:
+        super().__init__(hold, resource.device.device_id)
+        self.resource = resource  #: a VirtualMemoryResource with the same settings, here
+
+    def _free(self, ptr: int, size: int, stream: Any) -> None:
+        _driver.unmap_here(ptr, size)  # as cuda.core's own VirtualMemoryResource frees
+
+    def __repr__(self) -> str:
+        return f"<ImportedVmm of {self.resource!r}>"
 
 
 def rebuild_buffer(payload: object) -> Buffer:
@@ -348,40 +332,33 @@ def rebuild_buffer(payload: object) -> Buffer:
         DeviceNotVisibleError: why it could not be mapped.
     """
     p = decode_vbuf(payload)
-    address, hold, size = p.address, p.hold, p.size
     assert p.resource.device is not None  # decode_vbuf checked it
     d = decode_device(p.resource.device)
-    handoff.check_host(
+    lifetime.check_host(
         p.boot, f"GPU memory from host {quoted(d.host)} (pid {d.pid}, GPU {d.canonical_uuid})"
     )
-    if _broker.is_own(address):
-        held = _broker.broker().peek(hold)
+    if _broker.is_own(p.address):
+        held = _broker.broker().peek(p.hold)
         if held is not None:
-            return held  # back in the exporting process: the original buffer
+            return held  # back in the exporter: the original
     mr = local_resource(p.resource, visible_peers_only=True)
-    handoff.start_release_thread()
-    _broker.acquire(address, hold)
-    ptr = None
-    try:
-        mr.device.set_current()
-        fd = _broker.fetch(address, p.fd_token)
+    with Import(p.address, p.hold, p.block, mr.device.device_id) as hold:
         try:
-            ptr = _map(fd, size, mr)
-        finally:
-            os.close(fd)
-        buf = Buffer.from_handle(ptr=ptr, size=size, mr=mr)
-    except Exception as exc:
-        if ptr is not None:  # mapped, but not wrapped: undo the mapping here
-            driver.cuMemUnmap(ptr, size)
-            driver.cuMemAddressFree(ptr, size)
-        with contextlib.suppress(Exception):
-            _broker.release(address, hold)
-        if isinstance(exc, HandoffError) and type(exc) is not HandoffError:
-            raise  # a typed kind (ExporterGoneError, TokenRefusedError): as it is
-        raise HandoffError(f"mapping the exported VMM buffer failed: {exc}") from exc
-    handoff.hold_import(id(buf), address, hold, mr.device.device_id)
-    handoff.track_import(buf, (wire.vbuf, (payload,)))
+            mr.device.set_current()  # left current, as for every mapped buffer
+            fd = _broker.fetch(p.address, p.fd_token, p.identity)
+            try:
+                ptr = _driver.import_and_map(fd, p.size, _access(mr))
+            finally:
+                os.close(fd)
+        except HandoffError as exc:
+            if type(exc) is not HandoffError:
+                raise  # a typed kind (ExporterGoneError, TokenRefusedError): as it is
+            raise HandoffError(f"mapping the exported VMM buffer failed: {exc}") from exc
+        imported = ImportedVmm(mr, hold)
+        try:
+            buf = imported.hand_out(Buffer.from_handle(ptr=ptr, size=p.size, mr=imported))
+        except Exception:
+            _driver.unmap_here(ptr, p.size)
+            raise
+        hold.keep(buf, (wire.vbuf, (payload,)))
     return buf
-
-
-define(wire.vbuf, "Buffer", rebuild_buffer)

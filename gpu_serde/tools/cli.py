@@ -35,6 +35,8 @@ examples:
 """
 
 
+# Each command imports what it needs when it runs: `gpu-serde --help` starts fast, and a command
+# needs only its own extra (doctor --ray: Ray; doctor --scheduler: distributed).
 def _devices(args: argparse.Namespace) -> int:
     from gpu_serde.inventory import inventory
 
@@ -59,7 +61,7 @@ def _devices(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from gpu_serde import doctor
+    from gpu_serde.tools import doctor
 
     try:
         if args.ray:
@@ -79,7 +81,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from gpu_serde.demo import run
+    from gpu_serde.tools.demo import run
 
     return run(args.engine)
 

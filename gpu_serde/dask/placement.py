@@ -28,9 +28,11 @@ import threading
 from collections.abc import Awaitable
 from typing import Any
 
+from distributed import get_client
+
 from gpu_serde.errors import DeviceNotVisibleError
 from gpu_serde.inventory import inventory
-from gpu_serde.placement import target_uuid
+from gpu_serde.routing import target_uuid
 
 _lock = threading.Lock()
 _views: dict[tuple[str, str], tuple[list[str], str]] = {}  # (scheduler, worker) -> (uuids, why)
@@ -113,7 +115,7 @@ def on(device: Any, client: Any = None, *, exclusive: bool = True) -> dict[str, 
     memory resource, a buffer, or a list of them on one GPU.
 
     Args:
-        device: what the work is for (see :func:`gpu_serde.placement.target_uuid`).
+        device: what the work is for (see :func:`gpu_serde.routing.target_uuid`).
         client: the ``distributed.Client`` (default: the current one, ``get_client()``).
         exclusive: with an owner, hold its GPU resource, so that one routed task at a time runs
             on that GPU (default); ``False`` restricts the task to the owners without holding it.
@@ -129,8 +131,6 @@ def on(device: Any, client: Any = None, *, exclusive: bool = True) -> dict[str, 
     """
     uuid = target_uuid(device)
     if client is None:
-        from distributed import get_client
-
         client = get_client()
     if getattr(client, "asynchronous", False):
         raise TypeError("gpu_serde.dask.on() needs a synchronous Client (it asks the scheduler)")

@@ -15,7 +15,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from gpu_serde.placement import ownership_notes
+from gpu_serde.routing import ownership_notes
 from gpu_serde.text import quoted, safe
 
 #: Seconds a Ray node's probe may take (it may start a worker process first).

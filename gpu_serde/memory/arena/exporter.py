@@ -1,13 +1,13 @@
-"""``ArenaMemoryResource``: one exported region, mapped once per importing process, sub-allocated;
-its buffers hand off as an offset, with no driver call that grows with their size. Reduce and
-rebuild side by side.
+"""``ArenaMemoryResource``, the exporter's side: one region, sub-allocated; its buffers hand off
+as an offset, with no driver call that grows with their size. The receiver's side is
+:mod:`gpu_serde.memory.arena.importer`.
 
-The exporter makes one VMM region (:mod:`gpu_serde.regions`) and hands out blocks of it
-(:mod:`gpu_serde.ranges`). The region travels as its GPU's UUID, the host, a token for its
-descriptor at the exporter's broker, its id and size, and an IPC event; a buffer as its region plus
-an offset, a size and a hold token. The receiver maps the region the first time it sees it and
-keeps it mapped; every later buffer is a broker round trip (the hold), a wait for the sender's event
-and a ``Buffer`` at ``base + offset``.
+The exporter makes one VMM region (:mod:`gpu_serde.memory.driver`) and hands out blocks of it
+(:mod:`gpu_serde.memory.arena.ranges`). The region travels as its GPU's UUID, the host, a token
+for its descriptor at the exporter's broker, its id and size, and an IPC event; a buffer as its
+region plus an offset, a size and a hold token. The receiver maps the region the first time it
+sees it and keeps it mapped; every later buffer is a broker round trip (the hold), a wait for the
+sender's event and a ``Buffer`` at ``base + offset``.
 
 Ordering: pickling a buffer records the region's event on the stream the buffer was allocated on
 (after waiting for its previous recording, so the event follows every hand-off before it), and the
@@ -26,27 +26,33 @@ import queue
 import secrets
 import threading
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 from cuda.bindings import driver
-from cuda.core import Buffer, Device, EventOptions, MemoryResource, Stream
+from cuda.core import Buffer, Device, MemoryResource, Stream
 
-from gpu_serde import broker as _broker
-from gpu_serde import handoff, regions, wire
+from gpu_serde import inventory as _inventory
+from gpu_serde import wire
 from gpu_serde.device import device_payload
-from gpu_serde.errors import ArenaFullError, HandoffError, TokenRefusedError
+from gpu_serde.errors import ArenaFullError, HandoffError
+from gpu_serde.format.device import VERSION
+from gpu_serde.format.memory import AbufPayload, RegionPayload, region_identity
 from gpu_serde.hostid import host_id
-from gpu_serde.memory_payload import RegionPayload, decode_abuf, decode_region
-from gpu_serde.payload import VERSION
-from gpu_serde.placeholders import define
-from gpu_serde.ranges import Ranges, align_up
+from gpu_serde.memory import broker as _broker
+from gpu_serde.memory import driver as _driver
+from gpu_serde.memory import lifetime
+from gpu_serde.memory.arena.ranges import Ranges, align_up
 
 #: region id -> the arena that exports it, in this process (back home, a payload is the original)
 _exported: weakref.WeakValueDictionary[bytes, ArenaMemoryResource] = weakref.WeakValueDictionary()
 
 
-def _human(n: int) -> str:
+def exported(region: bytes) -> ArenaMemoryResource | None:
+    """The arena this process exports under region id ``region``, or None."""
+    return _exported.get(region)
+
+
+def human(n: int) -> str:
     """``n`` bytes for a message: ``3.0 MiB (3,145,728 bytes)``."""
     size, unit = float(n), "bytes"
     for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
@@ -61,11 +67,11 @@ class _Region:
 
     def __init__(self, dev: Device, size: int) -> None:
         self.ordinal = dev.device_id
-        self.uuid = "GPU-" + dev.uuid
-        with regions.context(self.ordinal):  # the device need not be current in this thread
+        self.uuid = _inventory.uuid_of(dev.device_id)  # GPU-... or MIG-...
+        with _driver.context(self.ordinal):  # the device need not be current in this thread
             self.default_stream = int(dev.default_stream.handle)
-        self.size = align_up(size, regions.granularity(self.ordinal))
-        self.base = regions.create(self.ordinal, self.size)
+        self.size = align_up(size, _driver.granularity(self.ordinal))
+        self.base = _driver.create(self.ordinal, self.size)
         self.id = secrets.token_bytes(16)
         self.ranges = Ranges(self.size)
         self.lock = threading.Lock()  # held, deferred, pending, the payload; never in a free
@@ -82,9 +88,9 @@ class _Region:
 
     def _new_event(self) -> tuple[Any, bytes]:
         try:
-            return regions.ipc_event(self.ordinal)
+            return _driver.ipc_event(self.ordinal)
         except Exception:
-            regions.unmap(self.ordinal, self.base, self.size)
+            _driver.unmap(self.ordinal, self.base, self.size)
             raise
 
     def payload(self) -> tuple[Any, ...]:
@@ -92,9 +98,9 @@ class _Region:
         with self.lock:
             if self.wire is None:
                 b = _broker.broker()
-                fd = regions.export(self.ordinal, self.base)
+                fd = _driver.export(self.ordinal, self.base)
                 try:
-                    self.tokens.append(b.offer(fd))
+                    self.tokens.append(b.offer(fd, region_identity(self.id, self.size)))
                 finally:
                     os.close(fd)
                 p = RegionPayload(
@@ -115,12 +121,12 @@ class _Region:
         earlier recording)."""
         stream = self.streams.get(ptr)
         handle = int(stream.handle) if stream is not None else self.default_stream
-        with self.recording, regions.context(self.ordinal):
+        with self.recording, _driver.context(self.ordinal):
             try:
-                regions.record_after(self.event, handle)
+                _driver.record_after(self.event, handle)
             except HandoffError:  # the stream was destroyed: whatever ran on it is queued
                 driver.cuCtxSynchronize()
-                regions.record_after(self.event, self.default_stream)
+                _driver.record_after(self.event, self.default_stream)
 
     def hold(self, ptr: int) -> None:
         with self.lock:
@@ -141,13 +147,13 @@ class _Region:
         """Block ``ptr`` was freed on ``stream`` (from ``deallocate``: any thread, maybe during
         garbage collection): record an event there and queue it. Never raises, takes no lock."""
         event = None
-        with contextlib.suppress(Exception), regions.context(self.ordinal):
+        with contextlib.suppress(Exception), _driver.context(self.ordinal):
             try:
                 event = self.spare.pop()
             except IndexError:
-                event = regions.plain_event(self.ordinal)
+                event = _driver.plain_event(self.ordinal)
             handle = int(stream.handle) if stream is not None else self.default_stream
-            regions.check("cuEventRecord", driver.cuEventRecord(event, handle))
+            _driver.check("cuEventRecord", driver.cuEventRecord(event, handle))
         self.streams.pop(ptr, None)
         self.frees.put((ptr, event))
 
@@ -169,7 +175,7 @@ class _Region:
         if not self.pending:
             return
         keep = []
-        with regions.context(self.ordinal):
+        with _driver.context(self.ordinal):
             for ptr, event in self.pending:
                 if event is None:  # no event was recorded: the whole device
                     if not wait:
@@ -178,7 +184,7 @@ class _Region:
                     driver.cuCtxSynchronize()
                 elif wait:
                     driver.cuEventSynchronize(event)
-                elif not regions.done(event):
+                elif not _driver.done(event):
                     keep.append((ptr, event))
                     continue
                 self.ranges.give(ptr - self.base)
@@ -212,8 +218,8 @@ class _Region:
             for token in self.tokens:
                 b.revoke(token)
         events = [self.event, *self.spare, *(e for _, e in self.pending if e is not None)]
-        regions.destroy(self.ordinal, events)
-        regions.unmap(self.ordinal, self.base, self.size)
+        _driver.destroy(self.ordinal, events)
+        _driver.unmap(self.ordinal, self.base, self.size)
 
 
 # Closing a region takes the broker's lock and calls the driver: never inside a finalizer, which
@@ -296,7 +302,7 @@ class ArenaMemoryResource(MemoryResource):
         if ptr is None:
             raise self._full(size)
         try:
-            with regions.context(r.ordinal):  # the device need not be current in this thread
+            with _driver.context(r.ordinal):  # the device need not be current in this thread
                 s = stream if stream is not None else self._device.default_stream
                 r.streams[ptr] = s
                 return Buffer.from_handle(ptr, size, mr=self, stream=s)
@@ -313,18 +319,18 @@ class ArenaMemoryResource(MemoryResource):
 
     def _full(self, asked: int) -> ArenaFullError:
         r, stats = self._r, self._r.stats()
-        gran = regions.granularity(r.ordinal)
+        gran = _driver.granularity(r.ordinal)
         suggested = align_up(max(2 * r.size, r.size + align_up(asked)), gran)
         held = (
-            f"; {_human(stats['held'])} of it are buffers sent and still held for importers "
+            f"; {human(stats['held'])} of it are buffers sent and still held for importers "
             "(freed once they release them)"
             if stats["held"]
             else ""
         )
         message = (
             f"ArenaMemoryResource on GPU {r.uuid} (device {r.ordinal}) cannot allocate "
-            f"{_human(asked)}: {_human(stats['free'])} free, the largest free block "
-            f"{_human(stats['largest'])}, in a region of {_human(r.size)}{held}. Close buffers "
+            f"{human(asked)}: {human(stats['free'])} free, the largest free block "
+            f"{human(stats['largest'])}, in a region of {human(r.size)}{held}. Close buffers "
             "you no longer need (receivers too: close what you received), or create a larger "
             f"one: ArenaMemoryResource(device, size={suggested})"
         )
@@ -391,7 +397,7 @@ class ArenaMemoryResource(MemoryResource):
 
     def __repr__(self) -> str:
         return (
-            f"<ArenaMemoryResource {_human(self._r.size)} on GPU {self._r.uuid} "
+            f"<ArenaMemoryResource {human(self._r.size)} on GPU {self._r.uuid} "
             f"(device {self._r.ordinal})>"
         )
 
@@ -407,159 +413,14 @@ def reduce_arena(mr: ArenaMemoryResource) -> tuple[Any, ...]:
     return (wire.arena, (payload,))
 
 
-class _Mapped:
-    """What every resource of a received arena reads as: device memory mapped from another
-    process."""
-
-    @property
-    def is_device_accessible(self) -> bool:
-        """True: device memory."""
-        return True
-
-    @property
-    def is_host_accessible(self) -> bool:
-        """False: device memory."""
-        return False
-
-    @property
-    def is_mapped(self) -> bool:
-        """True: the memory is mapped from another process."""
-        return True
-
-
-class ImportedArena(_Mapped, MemoryResource):
-    """An arena's region as mapped in a receiving process: what ``gpu_serde.wire.arena`` gives
-    there, and the ``.arena`` of every buffer received from it. It reads like the arena (device,
-    size) and cannot allocate. The region stays mapped for the process's life."""
-
-    def __init__(self, region: regions.Region) -> None:
-        self._region = region
-
-    def allocate(self, size: int, stream: Stream | None = None) -> Buffer:
-        """Refused: the region belongs to its exporter.
-
-        Raises:
-            TypeError: always; allocate in the exporting process and send the buffer.
-        """
-        raise TypeError(
-            "an arena received from another process cannot allocate: allocate from the "
-            "ArenaMemoryResource in the exporting process and send the buffer"
-        )
-
-    def deallocate(self, ptr: Any, size: int, stream: Any = None) -> None:
-        """Nothing to do: no buffer is allocated from it here."""
-
-    @property
-    def device_id(self) -> int:
-        """This process's ordinal of the region's GPU."""
-        return self._region.ordinal
-
-    @property
-    def size(self) -> int:
-        """The region's size in bytes."""
-        return self._region.size
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (wire.arena, (self._region.wire,))  # travels on as it came
-
-    def __repr__(self) -> str:
-        return f"<ImportedArena {_human(self._region.size)} (device {self._region.ordinal})>"
-
-
-class ImportedArenaMemory(_Mapped, MemoryResource):
-    """The memory resource of a buffer received from an arena (``buf.memory_resource`` in the
-    receiver; ``.arena`` is the region's :class:`ImportedArena`). It cannot allocate.
-
-    Freeing the buffer tells the exporter, which may then reuse the block: ``buf.close(stream)``
-    (or ``buf.close()``: the device's default stream) once an event after the work on that stream
-    has completed; a buffer collected without ``close`` once the whole device is idle. The region
-    stays mapped.
-    """
-
-    def __init__(self, arena: ImportedArena, key: int) -> None:
-        self.arena = arena  #: the region it lies in
-        self._key = key
-        self._user: weakref.ref[Any] | None = None
-
-    def allocate(self, size: int, stream: Stream | None = None) -> Buffer:
-        """Refused, as :meth:`ImportedArena.allocate`.
-
-        Raises:
-            TypeError: always.
-        """
-        return self.arena.allocate(size, stream)
-
-    def deallocate(self, ptr: Any, size: int, stream: Any = None) -> None:
-        """Queue the exporter's release after the work on ``stream``. Never raises (it may run
-        during garbage collection, in any thread)."""
-        closed = self._user is not None and self._user() is not None  # dead during collection
-        event: object = handoff.WHOLE_DEVICE
-        if closed and isinstance(stream, Stream):
-            with contextlib.suppress(Exception):
-                event = stream.record(options=EventOptions(blocking_sync=True))
-        handoff.queue_release(self._key, event)
-
-    @property
-    def device_id(self) -> int:
-        """This process's ordinal of the region's GPU."""
-        return self.arena.device_id
-
-    def __repr__(self) -> str:
-        return f"<ImportedArenaMemory of {self.arena!r}>"
-
-
-_imported: dict[bytes, ImportedArena] = {}  # region id -> this process's view of it
-_left_by_fork: list[dict[bytes, ImportedArena]] = []
-
-
-def _forget_after_fork() -> None:
-    """A forked child maps nothing of its parent's; the parent's imported arenas are kept, not
-    freed (freeing calls the driver, which a forked child must not do before it execs)."""
-    _left_by_fork.append(dict(_imported))
-    _imported.clear()
-
-
-os.register_at_fork(after_in_child=_forget_after_fork)
-
-
-def _home(p: RegionPayload) -> ArenaMemoryResource | None:
-    """The arena that exports this region, if this process is its exporter."""
-    mr = _exported.get(p.region)
-    return mr if mr is not None and _broker.is_own(p.address) else None
-
-
-def _imported_arena(p: RegionPayload, wire_payload: tuple[Any, ...]) -> ImportedArena:
-    region = regions.attach(p, wire_payload)
-    mr = _imported.get(region.id)
-    if mr is None:
-        mr = _imported.setdefault(region.id, ImportedArena(region))
-    return mr
-
-
-def rebuild_arena(payload: object) -> MemoryResource:
-    """Rebuild body of :func:`gpu_serde.wire.arena`: the region mapped here (an
-    :class:`ImportedArena`), or the original arena back in its exporter.
-
-    Raises:
-        PayloadError: malformed; and as :func:`gpu_serde.regions.attach`.
-    """
-    p = decode_region(payload)
-    home = _home(p)
-    if home is not None:
-        return home
-    return _imported_arena(p, payload)  # type: ignore[arg-type]  # a tuple: decode checked
-
-
-define(wire.arena, "ArenaMemoryResource", rebuild_arena)
-
-
 def reduce_buffer(buf: Buffer, mr: ArenaMemoryResource) -> tuple[Any, ...]:
     """Reducer body for a buffer of an :class:`ArenaMemoryResource`:
     ``(gpu_serde.wire.abuf, (payload,))``. Keeps ``buf`` (and its block) for its importers, and
     records the region's event after the work on the buffer's stream.
 
     Raises:
-        HandoffError: the driver refused to export the region or record the event.
+        HandoffError: the driver refused to export the region or record the event, or the
+            buffer is closed and no longer held for importers.
     """
     r = mr._r
     region = r.payload()
@@ -567,60 +428,17 @@ def reduce_buffer(buf: Buffer, mr: ArenaMemoryResource) -> tuple[Any, ...]:
     ptr = int(buf.handle)
 
     def make() -> tuple[bytes, tuple[Any, ...]]:
+        p = AbufPayload(VERSION, RegionPayload(*region), ptr - r.base, buf.size, b"")
         r.hold(ptr)
-        let_go: Callable[[object], None] = lambda _obj: r.released(ptr)  # noqa: E731
         try:
-            token = _broker.broker().hold(buf, let_go, grace=handoff.RELEASE_GRACE_S)
+            token = lifetime.hold(buf, p.block, lambda _obj: r.released(ptr))
         except Exception:
             r.released(ptr)
             raise
-        return token, (VERSION, region, ptr - r.base, buf.size, token)  # AbufPayload's form
+        return token, p._replace(hold=token).wire()
 
-    payload = handoff.sent_payload(buf, make)
-    r.record(ptr)
+    # a block closed while held is freed only once its importers let go: it can be sent again
+    payload = lifetime.send(buf, make, survives_close=True)
+    if buf.handle:
+        r.record(ptr)  # the event follows the work on the buffer's stream (a closed one: done)
     return (wire.abuf, (payload,))
-
-
-def rebuild_buffer(payload: object) -> Buffer:
-    """Rebuild body of :func:`gpu_serde.wire.abuf`: the buffer at its offset in its region,
-    mapped here once per process; the original back in its exporter.
-
-    Raises:
-        PayloadError: malformed.
-        TokenRefusedError: the exporter let go of it (also back home).
-        HandoffError: as :func:`gpu_serde.regions.attach`, or the driver refused.
-    """
-    p = decode_abuf(payload)
-    home = _home(p.region)
-    if home is not None:
-        held = _broker.broker().peek(p.hold)
-        if held is None:
-            raise TokenRefusedError(
-                "this arena buffer came back to its exporter after every importer released it: "
-                "send it again"
-            )
-        return held  # the original buffer
-    arena = _imported_arena(p.region, payload[1])  # type: ignore[index]  # decode checked
-    region = arena._region
-    address = p.region.address
-    handoff.start_release_thread()
-    _broker.acquire(address, p.hold)
-    key = handoff.new_key()
-    handoff.hold_import(key, address, p.hold, region.ordinal)
-    try:
-        region.wait()  # the sender's work before the hand-off
-        Device(region.ordinal).set_current()
-        mr = ImportedArenaMemory(arena, key)
-        buf = Buffer.from_handle(region.base + p.offset, p.size, mr=mr)
-        mr._user = weakref.ref(buf)
-    except Exception as exc:
-        if handoff.drop_import(key) is not None:
-            _broker.release(address, p.hold)
-        if isinstance(exc, HandoffError):
-            raise
-        raise HandoffError(f"receiving the arena buffer failed: {exc}") from exc
-    handoff.track_import(buf, (wire.abuf, (payload,)), key)
-    return buf
-
-
-define(wire.abuf, "Buffer", rebuild_buffer)

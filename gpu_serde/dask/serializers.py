@@ -6,10 +6,10 @@ client gathers) with its serializer families, and passes the ``dask`` family the
 ``context``, whose ``"recipient"`` describes the peer. gpu_serde registers a ``dask`` serializer
 for ``cuda.core.Buffer`` that picks, for each send, how the buffer travels:
 
-- to a process on this host: the zero-copy payload (as pickling gives it: :mod:`gpu_serde.pools`,
-  :mod:`gpu_serde.vmm`);
-- to a process on another host: a host copy (:mod:`gpu_serde.hostcopy`), uploaded there to a pool
-  of the receiver's own, on the same GPU if it sees it;
+- to a process on this host: the zero-copy payload (as pickling gives it:
+  :mod:`gpu_serde.memory.buffers`);
+- to a process on another host: a host copy (:mod:`gpu_serde.memory.bycopy`), uploaded there to a
+  pool of the receiver's own, on the same GPU if it sees it;
 - to a process whose host is not known (a scheduler that forwards the bytes to a worker or client
   of its choosing, a process without gpu_serde): both, the receiver maps or uploads, unless every
   gpu_serde process of the cluster is on this host (then zero copy).
@@ -21,19 +21,8 @@ buffer of device memory travels as one device frame instead (:func:`cuda_seriali
 moves it GPU to GPU, and the receiver copies it into a pool of its own. That family gets no
 context, so it copies on one host too.
 
-**Where a peer is.** Two sources, both filled by gpu_serde itself:
-
-- *the handshake*: the connections that gpu_serde's workers and registered clients open carry
-  their host identity (:mod:`gpu_serde.hostid`) in the comm handshake
-  (``handshake_overrides``, an argument of ``distributed.comm.connect`` that distributed's own
-  scheduler uses the same way, set through the worker's or client's ``connection_args``). A
-  worker that answers a request (a peer fetching a result, a client gathering directly) reads the
-  requester's host from the comm.
-- *the cluster's table*: each worker and registered client publishes its host identity in the
-  scheduler's metadata (``gpu_serde-hosts``) and follows the table (every :data:`REFRESH_S`). It
-  places a peer reached at its listening address (a client scattering directly to a worker), and
-  says whether the cluster is on one host. In a cluster of several hosts, a process that joins
-  waits :data:`REFRESH_S` before it takes work, so that every process knows of its host first.
+Where a peer is comes from :mod:`gpu_serde.dask.hosts` (the comm's handshake and the cluster's
+table).
 
 A buffer nested in another object (a task argument, a dataclass) is pickled, not serialized here:
 it travels by its zero-copy payload, which cannot be mapped on another host (``OtherHostError``
@@ -42,93 +31,31 @@ when used there). Scatter it, return it from a task, or wrap it in :func:`gpu_se
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import inspect
 import logging
 import pickle
-import threading
-from collections.abc import Callable
 from typing import Any
 
 from cuda.core import Buffer
 from distributed.protocol.cuda import cuda_deserialize, cuda_serialize
 from distributed.protocol.serialize import dask_deserialize, dask_serialize
 
-from gpu_serde import handled, hostcopy, wire
+from gpu_serde import wire
+from gpu_serde.dask.hosts import peer_host, table
 from gpu_serde.errors import HandoffError, NotIPCEnabledError, PayloadError
+from gpu_serde.format.device import VERSION
+from gpu_serde.format.memory import decode_hbuf
 from gpu_serde.hostid import host_id
-from gpu_serde.memory_payload import decode_hbuf
-from gpu_serde.payload import VERSION
+from gpu_serde.memory import buffers, bycopy, portable, unsent
 from gpu_serde.placeholders import UnresolvedObject
 from gpu_serde.text import safe
 
 logger = logging.getLogger("gpu_serde.dask")
 
-#: The handshake entry (and the comm ``context``'s) that names a peer's host identity.
-HANDSHAKE_KEY = "gpu_serde-host"
-#: The scheduler metadata key under which processes publish their host identities.
-TABLE_KEY = "gpu_serde-hosts"
-#: Seconds between two reads of the cluster's table by a worker or a registered client.
-REFRESH_S = 2.0
 #: How a buffer was sent, as the serializer's header says: zero copy, by value, both, or not at
 #: all (its error, raised where it is used).
 SENT = ("ipc", "copy", "both", "unsent")
 FORMAT = 1  # the header's "gpu_serde" entry
-
-
-class HostTable:
-    """The host identities of a cluster's gpu_serde processes, as this process last read them."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._hosts: dict[str, str] = {}
-
-    def update(self, table: object) -> None:
-        """Take the scheduler's table (``{process: host hex}``); malformed entries are dropped."""
-        if not isinstance(table, dict):
-            return
-        clean = {
-            str(k): v
-            for k, v in table.items()
-            if isinstance(v, str) and len(v) == 32 and all(c in "0123456789abcdef" for c in v)
-        }
-        with self._lock:
-            self._hosts = clean
-
-    def host_of(self, address: object) -> bytes | None:
-        """The host identity published for a process at ``address`` (a worker's listening
-        address), or None."""
-        with self._lock:
-            found = self._hosts.get(address) if isinstance(address, str) else None
-        return bytes.fromhex(found) if found else None
-
-    def one_host(self) -> bool:
-        """True when every published process is on this host (and at least one published)."""
-        with self._lock:
-            return bool(self._hosts) and all(v == host_id().hex() for v in self._hosts.values())
-
-    def hosts(self) -> dict[str, str]:
-        """A copy of the table."""
-        with self._lock:
-            return dict(self._hosts)
-
-
-table = HostTable()
 _warned_unshared = False
-
-
-def _peer_host(context: dict[str, Any]) -> bytes | None:
-    peer = context.get("recipient")
-    if not isinstance(peer, dict):
-        return None
-    marked = peer.get(HANDSHAKE_KEY)
-    if isinstance(marked, str):
-        with contextlib.suppress(ValueError):
-            raw = bytes.fromhex(marked)
-            if len(raw) == 16:
-                return raw
-    return table.host_of(peer.get("address"))
 
 
 def choose(context: object) -> str:
@@ -137,7 +64,7 @@ def choose(context: object) -> str:
     this process) is zero copy."""
     if not isinstance(context, dict):
         return "ipc"
-    host = _peer_host(context)
+    host = peer_host(context)
     if host is not None:
         return "ipc" if host == host_id() else "copy"
     return "ipc" if table.one_host() else "both"
@@ -159,15 +86,15 @@ def _reduction(buf: Buffer, sent: str) -> tuple[str, tuple[Any, ...]]:
     global _warned_unshared
     if sent == "ipc":
         try:
-            return sent, handled.reduce_buffer(buf)
+            return sent, buffers.reduction(buf)
         except NotIPCEnabledError as exc:
             if not _warned_unshared:
                 _warned_unshared = True
                 logger.warning("gpu_serde: Dask sends such buffers by value (a copy): %s", exc)
             sent = "copy"
     if sent == "copy":
-        return sent, hostcopy.reduce_by_value(buf, 5)
-    return sent, hostcopy.PortableBuffer(buf).__reduce_ex__(5)
+        return sent, bycopy.reduce_by_value(buf, 5)
+    return sent, portable.PortableBuffer(buf).__reduce_ex__(5)
 
 
 def serialize_buffer(buf: Buffer, context: object = None) -> tuple[dict[str, Any], list[Any]]:
@@ -183,7 +110,7 @@ def serialize_buffer(buf: Buffer, context: object = None) -> tuple[dict[str, Any
         sent, reduction = _reduction(buf, choose(context))
     except Exception as exc:  # raising here would leave the receiver waiting for ever
         logger.warning("gpu_serde: a Buffer could not be sent: %s", exc)
-        sent, reduction = "unsent", hostcopy.unsent("Buffer", exc)
+        sent, reduction = "unsent", unsent.unsent("Buffer", exc)
     buffers: list[pickle.PickleBuffer] = []
     head = pickle.dumps(_Reduced(reduction), protocol=5, buffer_callback=buffers.append)
     return {"gpu_serde": FORMAT, "sent": sent}, [head, *(b.raw() for b in buffers)]
@@ -242,7 +169,7 @@ def cuda_serialize_buffer(buf: Buffer) -> tuple[dict[str, Any], list[Any]]:
     """
     if not buf.handle or int(buf.device_id) < 0:
         raise NotImplementedError("gpu_serde sends device memory only as device frames")
-    header = {"gpu_serde": FORMAT, "device": hostcopy.device_of(buf), "size": int(buf.size)}
+    header = {"gpu_serde": FORMAT, "device": bycopy.device_of(buf), "size": int(buf.size)}
     return header, [DeviceFrame(buf)]
 
 
@@ -254,8 +181,8 @@ def cuda_deserialize_buffer(header: object, frames: list[Any]) -> Any:
             raise PayloadError(f"invalid gpu_serde device frames (header {safe(header)})")
         device, size, frame = header.get("device"), header.get("size"), frames[0]
         if hasattr(frame, "__cuda_array_interface__"):
-            return hostcopy.from_device(device, size, frame.__cuda_array_interface__)
-        return hostcopy.upload(decode_hbuf((VERSION, device, size, frame)))
+            return bycopy.from_device(device, size, frame.__cuda_array_interface__)
+        return bycopy.upload(decode_hbuf((VERSION, device, size, frame)))
     except Exception as exc:
         error = (
             exc
@@ -270,77 +197,3 @@ def cuda_deserialize_buffer(header: object, frames: list[Any]) -> Any:
 
 cuda_serialize.register(Buffer)(cuda_serialize_buffer)
 cuda_deserialize.register(Buffer)(cuda_deserialize_buffer)
-
-
-def _takes_overrides() -> bool:
-    from distributed.comm import core
-
-    return "handshake_overrides" in inspect.signature(core.connect).parameters
-
-
-def mark(connection_args: object) -> bool:
-    """Add this process's host identity to the handshake of the connections that a worker or
-    client with these ``connection_args`` opens; False where distributed cannot carry it (its
-    ``connect`` takes no ``handshake_overrides``: peers then count as of unknown host)."""
-    if not isinstance(connection_args, dict) or not _takes_overrides():
-        return False
-    overrides = connection_args.get("handshake_overrides")
-    if not isinstance(overrides, dict):
-        overrides = connection_args["handshake_overrides"] = {}
-    overrides[HANDSHAKE_KEY] = host_id().hex()
-    return True
-
-
-async def _read(scheduler: Any) -> dict[str, Any]:
-    got = await scheduler.get_metadata(keys=[TABLE_KEY], default={})
-    return got if isinstance(got, dict) else {}
-
-
-async def join(scheduler: Any, name: str) -> None:
-    """Publish this process's host identity as ``name`` (a worker's address, a client's id) in
-    the table of the scheduler behind ``scheduler`` (an rpc), and read the table. In a cluster of
-    several hosts it then waits :data:`REFRESH_S` (and a little) and reads it again, so that every
-    process knows of its host before it takes work, and it of theirs. Failures are logged, never
-    raised."""
-    own = host_id().hex()
-    try:
-        await scheduler.set_metadata(keys=[TABLE_KEY, name], value=own)
-        table.update(await _read(scheduler))
-    except Exception as exc:  # the plugin's setup must not fail a worker
-        logger.warning(
-            "gpu_serde: could not publish this process's host to the scheduler (%s); buffers "
-            "sent to it travel both mapped and by value",
-            exc,
-        )
-        return
-    if any(v != own for v in table.hosts().values()):
-        await asyncio.sleep(REFRESH_S + 0.5)
-        with contextlib.suppress(Exception):
-            table.update(await _read(scheduler))
-
-
-async def leave(scheduler: Any, name: str) -> None:
-    """Withdraw ``name`` from the scheduler's table (best effort)."""
-    with contextlib.suppress(Exception):
-        await scheduler.set_metadata(keys=[TABLE_KEY, name], value=None)
-
-
-async def follow(scheduler: Any, alive: Callable[[], bool]) -> None:
-    """Read the scheduler's table every :data:`REFRESH_S` while ``alive()``; a failed read is
-    tried again at the next turn."""
-    while alive():
-        await asyncio.sleep(REFRESH_S)
-        if not alive():
-            return
-        with contextlib.suppress(Exception):
-            table.update(await _read(scheduler))
-
-
-_following: set[asyncio.Future[None]] = set()
-
-
-def start_following(scheduler: Any, alive: Callable[[], bool]) -> None:
-    """Run :func:`follow` on the running event loop (a task kept until it ends)."""
-    task = asyncio.ensure_future(follow(scheduler, alive))
-    _following.add(task)
-    task.add_done_callback(_following.discard)

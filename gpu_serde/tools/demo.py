@@ -15,10 +15,11 @@ import functools
 import os
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from gpu_serde import demo_routing, testing
+from gpu_serde import testing
 from gpu_serde.inventory import uuid_of
 
 Row = tuple[str, tuple[Any, ...]]  # worker name, what _report returned
@@ -289,6 +290,71 @@ def _handoff_ray(layout: dict[str, str], send: Any) -> list[Hop]:
         ray.kill(actor)  # only now: every receiver has checked
 
 
+# ---- routing: the same Device sent to tasks routed with on() lands on its GPU ----
+# Each function returns rows for the demo's table ((label, (status, CUDA_VISIBLE_DEVICES, ordinal,
+# UUID or error))), one per distinct outcome of the routed tasks (the label says how many had it),
+# so the demo's verdict checks them as well. Ray and distributed are imported where they are used:
+# each is an optional extra, and the demo runs one engine.
+ROUTED_TASKS = 8
+
+
+def _where(device: Any, place: str) -> tuple[str, tuple[Any, ...]]:
+    """Runs in a routed task: where it ran, and what it made of the Device (as the demo reports)."""
+    import gpu_serde
+
+    if place == "dask":
+        from distributed import get_worker
+
+        place = str(get_worker().name)
+    else:
+        import ray
+
+        place = "node " + ray.get_runtime_context().get_node_id()[:8]
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
+    try:
+        d = gpu_serde.resolve(device)
+        return place, ("ok", cvd, d.device_id, uuid_of(d.device_id))
+    except gpu_serde.DeviceNotVisibleError as exc:
+        return place, ("error", cvd, None, str(exc))
+
+
+def _rows(results: list[tuple[str, tuple[Any, ...]]]) -> list[Row]:
+    """One row per distinct outcome, labelled with how many routed tasks had it, and where."""
+    counts = Counter(results)
+    return [(f"on() {n}x {place}", report) for (place, report), n in counts.items()]
+
+
+def dask_rows(client: Any, send: Any) -> list[Row]:
+    """Send ``send`` to :data:`ROUTED_TASKS` tasks routed with ``gpu_serde.dask.on(send)``."""
+    import gpu_serde.dask
+
+    where = gpu_serde.dask.on(send, client)
+    print(
+        f"Sending the Device to {ROUTED_TASKS} tasks routed with gpu_serde.dask.on(): {where} ...",
+        flush=True,
+    )
+    futures = client.map(_where, [send] * ROUTED_TASKS, place="dask", pure=False, **where)
+    return _rows(client.gather(futures))
+
+
+def ray_rows(send: Any) -> list[Row]:
+    """Send ``send`` to :data:`ROUTED_TASKS` tasks routed with ``gpu_serde.ray.on(send)``."""
+    import ray
+
+    import gpu_serde.ray
+
+    where = gpu_serde.ray.on(send)
+    node = where["scheduling_strategy"].node_id[:8]
+    gpu = where["runtime_env"]["env_vars"]["CUDA_VISIBLE_DEVICES"]
+    print(
+        f"Sending the Device to {ROUTED_TASKS} tasks routed with gpu_serde.ray.on(): node {node}, "
+        f"CUDA_VISIBLE_DEVICES={gpu} ...",
+        flush=True,
+    )
+    task = ray.remote(max_retries=0)(_where).options(**where)
+    return _rows(ray.get([task.remote(send, "ray") for _ in range(ROUTED_TASKS)], timeout=300))
+
+
 def _run_dask(
     layout: dict[str, str], send: Any, handoff: bool
 ) -> tuple[list[Row], list[Hop] | None]:
@@ -310,7 +376,7 @@ def _run_dask(
             n: client.submit(_report, send, workers=[by_name[n]], pure=False) for n in layout
         }
         rows = [(n, f.result(timeout=120)) for n, f in futures.items()]
-        rows += demo_routing.dask_rows(client, send)
+        rows += dask_rows(client, send)
         hops = _handoff_dask(client, by_name, layout, send) if handoff else None
         _say("Shutting the cluster down ...")
         return rows, hops
@@ -344,7 +410,7 @@ def _run_ray(
             count = _gpus(layout, name)
             refs[name] = task.options(num_gpus=count, resources={name: 1}).remote(send)
         rows = [(n, ray.get(r, timeout=120)) for n, r in refs.items()]
-        rows += demo_routing.ray_rows(send)
+        rows += ray_rows(send)
         hops = _handoff_ray(layout, send) if handoff else None
         _say("Shutting the cluster down ...")
         return rows, hops

@@ -1,4 +1,4 @@
-"""Ray adapter: Devices keep their GPU across tasks, actors, nodes and the object store.
+"""Ray: gpu_serde in the driver and in every worker (``init``, the hooks, the job's mark).
 
 Every process that pickles a Device needs gpu_serde installed: the driver and every worker. Pick
 one of these (each is tested; see docs/deployment.md)::
@@ -14,7 +14,7 @@ per task or actor in ``.options(runtime_env=...)``.
 
 With Ray 2.55 and later, actors can also hand ``cuda.core.Buffer`` results to each other through
 Ray Direct Transport, outside the object store: ``@ray.method(tensor_transport=TRANSPORT)`` on an
-actor declared with ``enable_tensor_transport=True`` (:mod:`gpu_serde.ray_transport`).
+actor declared with ``enable_tensor_transport=True`` (:mod:`gpu_serde.ray.transport`).
 
 A driver that installed gpu_serde this way marks its job (the environment variable
 :data:`DRIVER_MARK` in its workers); a worker whose job lacks the mark logs a warning that Devices
@@ -28,10 +28,10 @@ import logging
 import os
 from typing import Any
 
-from gpu_serde import ray_transport
+import ray
+
 from gpu_serde.inventory import set_role
-from gpu_serde.ray_placement import on as on
-from gpu_serde.ray_transport import TRANSPORT as TRANSPORT
+from gpu_serde.ray import transport
 from gpu_serde.registry import ensure_installed
 
 #: The ``worker_process_setup_hook`` that installs gpu_serde in a Ray worker.
@@ -58,10 +58,8 @@ def setup_worker() -> None:
     ``CUDA_VISIBLE_DEVICES``, and CUDA reads that variable once, at initialisation. Enumerating
     here would give every worker all of its node's GPUs. The inventory is taken on first use.
     """
-    import ray
-
     ensure_installed("Ray")
-    ray_transport.register()  # Buffers through Ray Direct Transport (Ray 2.55 and later)
+    transport.register()  # Buffers through Ray Direct Transport (Ray 2.55 and later)
     try:
         node = ray.get_runtime_context().get_node_id()
     except Exception:  # the role is only for messages
@@ -125,7 +123,7 @@ def _marked(env: dict[str, Any]) -> dict[str, Any]:
 def _install_driver() -> None:
     ensure_installed("Ray")
     set_role("ray driver")
-    ray_transport.register()
+    transport.register()
 
 
 def runtime_env_hook(env: dict[str, Any] | None) -> dict[str, Any]:
@@ -169,8 +167,6 @@ def init(*args: Any, **kwargs: Any) -> Any:
             ``worker_process_setup_hook``.
         TypeError: ``runtime_env`` is not a dict (or None).
     """
-    import ray
-
     env = runtime_env(kwargs.get("runtime_env"))
     job = _job_runtime_env()
     if job is not None and job.get(_KEY) is not None:

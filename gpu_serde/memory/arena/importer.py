@@ -1,0 +1,269 @@
+"""``ArenaMemoryResource``, the receiver's side: each region mapped once per process, every
+buffer an offset in it. The exporter's side is :mod:`gpu_serde.memory.arena.exporter`.
+
+The first buffer (or arena) a process receives from a region maps the region here
+(:func:`attach`: the host check, the device by UUID, the descriptor from the exporter's broker, the
+mapping and the opening of the exporter's event) and keeps it mapped for the process's life. The
+cache is keyed by the exporter and the descriptor's token, not by the id a payload claims, and the
+exporter's broker checks the claimed id and size against the descriptor: a stream of payloads,
+forged or not, maps each real region at most once. Every later buffer is a hold
+(:class:`~gpu_serde.memory.lifetime.Import`), a wait for the sender's event and a ``Buffer`` at
+``base + offset``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from cuda.core import Buffer, Device, MemoryResource, Stream
+
+from gpu_serde import inventory as _inventory
+from gpu_serde import wire
+from gpu_serde.errors import HandoffError, TokenRefusedError
+from gpu_serde.format.device import decode_device
+from gpu_serde.format.memory import RegionPayload, decode_abuf, decode_region
+from gpu_serde.memory import broker as _broker
+from gpu_serde.memory import driver as _driver
+from gpu_serde.memory import lifetime
+from gpu_serde.memory.arena.exporter import ArenaMemoryResource, exported, human
+from gpu_serde.memory.lifetime import Import, Imported
+from gpu_serde.placeholders import not_visible_error
+from gpu_serde.text import quoted
+
+
+@dataclass(frozen=True)
+class Region:
+    """A region mapped in this process: where, on which of this process's devices, and the
+    exporter's event (opened here) that a hand-off waits for."""
+
+    id: bytes
+    wire: tuple[Any, ...]  #: the region payload it was mapped for
+    base: int
+    size: int
+    ordinal: int
+    event: Any
+
+    def wait(self) -> None:
+        """Block until the exporter's work before its latest hand-off from this region is done.
+
+        Raises:
+            HandoffError: the driver refused (the exporter's context is gone, ...).
+        """
+        _driver.wait(self.event)
+
+
+_attached: dict[tuple[str, bytes], Region] = {}  # (broker address, token) -> the region here
+_lock = threading.Lock()
+maps = 0  #: how many regions this process has mapped (each once): tests read it
+
+
+def attach(p: RegionPayload, wire_payload: tuple[Any, ...]) -> Region:
+    """The region that ``p`` names, mapped in this process: the first time per exporter and
+    descriptor, then from the cache.
+
+    Raises:
+        OtherHostError, DeviceNotVisibleError, ExporterGoneError: as for a pool.
+        TokenRefusedError: the exporter does not serve the token, or not for this region and
+            size.
+        HandoffError: the driver refused to import, map or open, or the payload names another
+            region than the one mapped for its descriptor.
+    """
+    global maps
+    key = (p.address, p.token)
+    region = _attached.get(key)
+    if region is None:
+        with _lock:
+            region = _attached.get(key)
+            if region is None:
+                region = _attached[key] = _map_region(p, wire_payload)
+                maps += 1
+    if region.wire != wire_payload:
+        raise HandoffError(
+            "this arena payload names a region other than the one mapped here for its "
+            "descriptor: refused (a forged or corrupted payload)"
+        )
+    return region
+
+
+def _map_region(p: RegionPayload, wire_payload: tuple[Any, ...]) -> Region:
+    d = decode_device(p.device)
+    where = f"host {quoted(d.host)} (pid {d.pid}, GPU {d.canonical_uuid})"
+    lifetime.check_host(p.boot, f"GPU memory (an ArenaMemoryResource) from {where}")
+    ordinal = _inventory.local_ordinal(d.uuid)
+    if ordinal is None:
+        raise not_visible_error(d, _inventory.inventory())
+    fd = _broker.fetch(p.address, p.token, p.identity)
+    try:
+        with _driver.context(ordinal):
+            flags = _driver.ACCESS["rw"]
+            base = _driver.import_and_map(fd, p.size, _driver.access([(ordinal, flags)]))
+            try:
+                event = _driver.open_ipc_event(p.event)
+            except Exception:
+                _driver.unmap_here(base, p.size)
+                raise
+    finally:
+        os.close(fd)
+    return Region(p.region, wire_payload, base, p.size, ordinal, event)
+
+
+def attached() -> int:
+    """How many regions are mapped in this process."""
+    return len(_attached)
+
+
+class ImportedArena(MemoryResource):
+    """An arena's region as mapped in a receiving process: what ``gpu_serde.wire.arena`` gives
+    there, and the ``.arena`` of every buffer received from it. It reads like the arena (device,
+    size) and cannot allocate. The region stays mapped for the process's life."""
+
+    def __init__(self, region: Region) -> None:
+        self._region = region
+
+    def allocate(self, size: int, stream: Stream | None = None) -> Buffer:
+        """Refused: the region belongs to its exporter.
+
+        Raises:
+            TypeError: always; allocate in the exporting process and send the buffer.
+        """
+        raise TypeError(ImportedArenaMemory.refusal)
+
+    def deallocate(self, ptr: Any, size: int, stream: Any = None) -> None:
+        """Nothing to do: no buffer is allocated from it here."""
+
+    @property
+    def device_id(self) -> int:
+        """This process's ordinal of the region's GPU."""
+        return self._region.ordinal
+
+    @property
+    def size(self) -> int:
+        """The region's size in bytes."""
+        return self._region.size
+
+    @property
+    def is_device_accessible(self) -> bool:
+        """True: device memory."""
+        return True
+
+    @property
+    def is_host_accessible(self) -> bool:
+        """False: device memory."""
+        return False
+
+    @property
+    def is_mapped(self) -> bool:
+        """True: the memory is mapped from another process."""
+        return True
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (wire.arena, (self._region.wire,))  # travels on as it came
+
+    def __repr__(self) -> str:
+        return f"<ImportedArena {human(self._region.size)} (device {self._region.ordinal})>"
+
+
+class ImportedArenaMemory(Imported):
+    """The memory resource of a buffer received from an arena (``buf.memory_resource`` in the
+    receiver; ``.arena`` is the region's :class:`ImportedArena`). It cannot allocate.
+
+    Freeing the buffer tells the exporter, which may then reuse the block
+    (:class:`~gpu_serde.memory.lifetime.Imported` says when). The region stays mapped.
+    """
+
+    refusal = (
+        "an arena received from another process cannot allocate: allocate from the "
+        "ArenaMemoryResource in the exporting process and send the buffer"
+    )
+
+    def __init__(self, arena: ImportedArena, hold: Import) -> None:
+        super().__init__(hold, arena.device_id)
+        self.arena = arena  #: the region it lies in
+
+    def __repr__(self) -> str:
+        return f"<ImportedArenaMemory of {self.arena!r}>"
+
+
+_imported: dict[tuple[str, bytes], ImportedArena] = {}  # as _attached: this process's views
+_left_by_fork: list[Any] = []
+
+
+def _forget_after_fork() -> None:
+    """A forked child maps nothing of its parent's (CUDA does not survive a fork): the parent's
+    regions and views are kept, never freed (freeing calls the driver, which a forked child must
+    not do before it execs; it can hang there, as under Ray, whose preexec_fn runs these hooks)."""
+    global _lock, maps
+    _left_by_fork.append((dict(_attached), dict(_imported)))
+    _attached.clear()
+    _imported.clear()
+    _lock, maps = threading.Lock(), 0
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def _home(p: RegionPayload) -> ArenaMemoryResource | None:
+    """The arena that exports this region, if this process is its exporter."""
+    mr = exported(p.region)
+    return mr if mr is not None and _broker.is_own(p.address) else None
+
+
+def _imported_arena(p: RegionPayload, wire_payload: tuple[Any, ...]) -> ImportedArena:
+    region = attach(p, wire_payload)
+    key = (p.address, p.token)
+    mr = _imported.get(key)
+    if mr is None:
+        mr = _imported.setdefault(key, ImportedArena(region))
+    return mr
+
+
+def rebuild_arena(payload: object) -> MemoryResource:
+    """Rebuild body of :func:`gpu_serde.wire.arena`: the region mapped here (an
+    :class:`ImportedArena`), or the original arena back in its exporter.
+
+    Raises:
+        PayloadError: malformed; and as :func:`attach`.
+    """
+    p = decode_region(payload)
+    home = _home(p)
+    if home is not None:
+        return home
+    return _imported_arena(p, payload)  # type: ignore[arg-type]  # a tuple: decode checked
+
+
+def rebuild_buffer(payload: object) -> Buffer:
+    """Rebuild body of :func:`gpu_serde.wire.abuf`: the buffer at its offset in its region,
+    mapped here once per process; the original back in its exporter.
+
+    Raises:
+        PayloadError: malformed.
+        TokenRefusedError: the exporter let go of it (also back home), or the hold was issued
+            for another block.
+        HandoffError: as :func:`attach`, or the driver refused.
+    """
+    p = decode_abuf(payload)
+    if _home(p.region) is not None:
+        held = _broker.broker().peek(p.hold)
+        if held is None:
+            raise TokenRefusedError(
+                "this arena buffer came back to its exporter after every importer released it: "
+                "send it again"
+            )
+        return held  # the original buffer
+    arena = _imported_arena(p.region, payload[1])  # type: ignore[index]  # decode checked
+    region = arena._region
+    with Import(p.region.address, p.hold, p.block, region.ordinal) as hold:
+        try:
+            region.wait()  # the sender's work before the hand-off
+            Device(region.ordinal).set_current()
+            mr = ImportedArenaMemory(arena, hold)
+            buf = mr.hand_out(Buffer.from_handle(region.base + p.offset, p.size, mr=mr))
+        except HandoffError:
+            raise
+        except Exception as exc:
+            raise HandoffError(f"receiving the arena buffer failed: {exc}") from exc
+        hold.keep(buf, (wire.abuf, (payload,)))
+    return buf

@@ -1,0 +1,416 @@
+"""The descriptor broker: hands file descriptors to same-user processes here, and owns the holds
+that keep exported memory alive for them.
+
+One broker per exporting process, started on first use: a daemon thread serving an abstract Unix
+socket, and a thread per connection. A peer asks with a 128-bit token; the broker answers only
+peers of the same uid (``SO_PEERCRED``) and passes a descriptor with ``SCM_RIGHTS``. The client
+checks the broker's uid too (abstract socket names carry no permissions), and gives up after a
+timeout instead of hanging. Descriptors the broker serves are its own duplicates, closed on
+:meth:`Broker.revoke`, on :meth:`Broker.close` and at exit. The protocol is described in
+:mod:`gpu_serde.memory.broker.client`.
+
+**Holds belong to connections.** The exporter keeps a sent object alive under a token
+(:meth:`Broker.hold`) that names the block it was issued for. An importer's acquire counts on the
+connection it came over, which is that importing process's own (a process keeps one per broker);
+a release counts only against holds acquired over the same connection, so a process that never
+acquired (a Dask scheduler that saw the payload) cannot release anything. When a connection
+closes (the importer exited, was killed, or closed it), its holds are dropped at once. An object
+whose holds are all gone is let go :data:`grace <Broker.hold>` seconds later, unless it is
+acquired again in the meantime. A connection that holds something is never closed for idleness.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpu_serde.memory.broker.client import (
+    ACQUIRE,
+    CHECK_BYTES,
+    FETCH,
+    MISMATCH,
+    NO,
+    NOSIGNAL,
+    OK,
+    RELEASE,
+    REQUEST_BYTES,
+    TOKEN_BYTES,
+    peer_credentials,
+    recv_by,
+)
+
+#: Seconds a broker keeps a silent connection that holds nothing open.
+IDLE_S = 60.0
+#: Seconds a request may take from its first byte to its last (a slow peer holds a broker thread
+#: at most this long per request, however it paces its bytes).
+REQUEST_S = 1.0
+ANY = bytes(CHECK_BYTES)  #: offered or held without a check: any payload may name it
+
+
+@dataclass
+class _Hold:
+    """One object kept alive for importers: what it was issued for, who holds it, and when it
+    is due to be let go."""
+
+    obj: Any
+    block: bytes
+    on_release: Callable[[Any], None]
+    grace: float
+    holders: dict[int, int] = field(default_factory=dict)  # connection id -> holds over it
+    due: float | None = None  # monotonic time to let go (its holders all gone), else None
+
+
+class Broker:
+    """Serves descriptors to same-user processes that present the right token, and keeps
+    exported objects alive while importing processes hold them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fds: dict[bytes, tuple[int, bytes]] = {}  # token -> (descriptor, identity)
+        self._holds: dict[bytes, _Hold] = {}
+        self._held_over: dict[int, dict[bytes, int]] = {}  # connection id -> token -> holds
+        self._peers: dict[int, int] = {}  # connection id -> the peer's pid (0: unknown)
+        self._closed = False
+        self._exiting = False  # set at exit: nothing is let go any more
+        self._conns: dict[socket.socket, threading.Thread] = {}  # connections being served
+        self._due = threading.Event()  # an object's last holder went
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        name = f"gpu_serde-{os.getpid()}-{secrets.token_hex(8)}"
+        self._sock.bind("\0" + name)
+        self._sock.listen(512)
+        self.address = "@" + name
+        self._thread = threading.Thread(target=self._serve, name="gpu_serde-broker", daemon=True)
+        self._thread.start()
+        self._letting_go = threading.Thread(
+            target=self._release_loop, name="gpu_serde-broker-release", daemon=True
+        )
+        self._letting_go.start()
+
+    # ---- descriptors ----
+    def offer(self, fd: int, identity: bytes = ANY) -> bytes:
+        """Serve a duplicate of ``fd`` (the caller keeps its own) and return the token for it.
+
+        ``identity`` (16 bytes) names what the descriptor is (a pool, a region and its size): a
+        fetch that expects anything else is refused.
+        """
+        token = secrets.token_bytes(TOKEN_BYTES)
+        dup = os.dup(fd)
+        with self._lock:
+            if self._closed:
+                os.close(dup)
+                raise RuntimeError("the descriptor broker is closed")
+            self._fds[token] = (dup, identity)
+        return token
+
+    def revoke(self, token: bytes) -> None:
+        """Stop serving ``token`` and close the broker's descriptor for it (unknown: no-op)."""
+        with self._lock:
+            entry = self._fds.pop(token, None)
+        if entry is not None:
+            os.close(entry[0])
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._fds)
+
+    # ---- holds ----
+    def hold(
+        self,
+        obj: object,
+        on_release: Callable[[Any], None],
+        *,
+        block: bytes = ANY,
+        grace: float = 0.0,
+    ) -> bytes:
+        """Keep ``obj`` alive for importers; return its token.
+
+        ``block`` (16 bytes) names the block the hold is issued for: an acquire for any other
+        block is refused. Once every process that acquired it has released it (or its connection
+        closed), the broker waits ``grace`` seconds (a new acquire in that time keeps it), then
+        drops it and calls ``on_release(obj)`` in the broker's release thread (a slow callback
+        delays no reply). An object never acquired is kept until :meth:`close` or exit.
+        """
+        token = secrets.token_bytes(TOKEN_BYTES)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the descriptor broker is closed")
+            self._holds[token] = _Hold(obj, block, on_release, grace)
+        return token
+
+    def peek(self, token: bytes) -> object | None:
+        """The object held under ``token``, or None."""
+        with self._lock:
+            entry = self._holds.get(token)
+            return entry.obj if entry is not None else None
+
+    def held(self) -> int:
+        """How many objects the broker keeps alive for importers."""
+        with self._lock:
+            return len(self._holds)
+
+    def holders(self) -> dict[int, int]:
+        """The live holds by the importing process's pid (0: a process in another PID
+        namespace): what each process has acquired and not yet released."""
+        out: dict[int, int] = {}
+        with self._lock:
+            for conn, tokens in self._held_over.items():
+                pid = self._peers.get(conn, 0)
+                out[pid] = out.get(pid, 0) + sum(tokens.values())
+        return out
+
+    def _acquire(self, conn: int, token: bytes, block: bytes) -> bytes:
+        with self._lock:
+            entry = self._holds.get(token)
+            if entry is None:
+                return NO  # unknown, or let go already
+            if entry.block != ANY and entry.block != block:
+                return MISMATCH
+            entry.holders[conn] = entry.holders.get(conn, 0) + 1
+            entry.due = None
+            tokens = self._held_over.setdefault(conn, {})
+            tokens[token] = tokens.get(token, 0) + 1
+        return OK
+
+    def _release(self, conn: int, token: bytes) -> bytes:
+        with self._lock:
+            tokens = self._held_over.get(conn)
+            if not tokens or not tokens.get(token):
+                return NO  # not held over this connection: another process's, or none
+            self._let_one_go(conn, token, tokens, 1)
+        self._due.set()
+        return OK
+
+    def _let_one_go(self, conn: int, token: bytes, tokens: dict[bytes, int], n: int) -> None:
+        """Take ``n`` holds of ``token`` off connection ``conn`` (with the lock)."""
+        left = tokens[token] - n
+        if left > 0:
+            tokens[token] = left
+        else:
+            del tokens[token]
+            if not tokens:
+                self._held_over.pop(conn, None)
+        entry = self._holds.get(token)
+        if entry is None:
+            return
+        count = entry.holders.get(conn, 0) - n
+        if count > 0:
+            entry.holders[conn] = count
+        else:
+            entry.holders.pop(conn, None)
+        if not entry.holders:
+            entry.due = time.monotonic() + entry.grace
+
+    def _connection_gone(self, conn: int) -> None:
+        """Drop every hold taken over connection ``conn`` (its process exited, died, or closed
+        it)."""
+        with self._lock:
+            self._peers.pop(conn, None)
+            tokens = self._held_over.get(conn)
+            if not tokens:
+                return
+            for token, n in list(tokens.items()):
+                self._let_one_go(conn, token, tokens, n)
+        self._due.set()
+
+    def _holds_over(self, conn: int) -> bool:
+        with self._lock:
+            return bool(self._held_over.get(conn))
+
+    def _release_loop(self) -> None:
+        """The release thread: lets go of objects once their grace has passed."""
+        while not self._closed and not self._exiting:
+            with self._lock:
+                due = [e.due for e in self._holds.values() if e.due is not None]
+            self._due.wait(max(0.0, min(due) - time.monotonic()) if due else None)
+            self._due.clear()
+            if not self._exiting:
+                self._sweep()
+
+    def stop_letting_go(self, timeout: float = 2.0) -> None:
+        """Stop the release thread (a callback in flight finishes first, for up to ``timeout``
+        s): at exit no daemon thread may free a CUDA object while the interpreter is torn down
+        (it can abort the process). What the broker still holds goes with the process."""
+        self._exiting = True
+        self._due.set()
+        if self._letting_go is not threading.current_thread():
+            self._letting_go.join(timeout)
+
+    def _sweep(self) -> None:
+        """Let go of objects whose holders all went more than ``grace`` s ago."""
+        now = time.monotonic()
+        with self._lock:
+            due = [t for t, e in self._holds.items() if e.due is not None and e.due <= now]
+            dropped = [self._holds.pop(t) for t in due]
+        for entry in dropped:
+            obj, on_release = entry.obj, entry.on_release
+            entry.obj = None
+            with contextlib.suppress(Exception):  # the exporter's callback must not kill the broker
+                on_release(obj)
+            del obj
+
+    def close(self, *, inherited: bool = False) -> None:
+        """Stop serving and close every descriptor the broker holds, its connections' too.
+
+        ``inherited=True`` (in a forked child) only closes this process's copies: shutting the
+        sockets down would stop the parent's broker too, since both share them.
+        """
+        with self._lock:
+            self._closed = True
+            fds, self._fds = [fd for fd, _ in self._fds.values()], {}
+            self._holds.clear()
+            self._held_over.clear()
+            conns, self._conns = list(self._conns.items()), {}
+        self._due.set()  # the release thread ends
+        for fd in fds:
+            os.close(fd)
+        if not inherited:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)  # wakes the serving thread's accept
+        self._sock.close()
+        for conn, _ in conns:
+            with contextlib.suppress(OSError):
+                if inherited:
+                    conn.close()  # no thread serves it here
+                else:
+                    conn.shutdown(socket.SHUT_RDWR)  # its thread sees the end and closes it
+        if not inherited:
+            for _, thread in conns:
+                if thread is not threading.current_thread():
+                    thread.join(1.0)
+
+    # ---- serving ----
+    def _serve(self) -> None:
+        self._sock.settimeout(0.25)  # wake up now and then to notice a close
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._closed:
+                    return
+                time.sleep(0.05)  # EMFILE, ECONNABORTED...: keep serving
+                continue
+            # a thread per connection: a slow or silent peer holds up no one else
+            thread = threading.Thread(target=self._handle, args=(conn,), daemon=True)
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._conns[conn] = thread  # before the thread runs: a fork or close sees it
+            try:
+                thread.start()
+            except RuntimeError:  # no thread to be had (a process or thread limit): hang up
+                with self._lock:
+                    self._conns.pop(conn, None)
+                conn.close()
+                time.sleep(0.05)
+
+    def _handle(self, conn: socket.socket) -> None:
+        key = id(conn)
+        try:
+            with conn, contextlib.suppress(OSError):
+                pid, uid = peer_credentials(conn)
+                if uid != os.getuid():
+                    return  # other users get nothing, not even an answer
+                with self._lock:
+                    self._peers[key] = pid
+                while self._answer(conn, key):
+                    pass
+        finally:
+            self._connection_gone(key)  # before the id can be reused by a new socket
+            with self._lock:
+                self._conns.pop(conn, None)
+
+    def _answer(self, conn: socket.socket, key: int) -> bool:
+        """Answer one request on ``conn``; False when the connection is done (the peer hung up or
+        sent a malformed request). Raises ``TimeoutError`` after :data:`IDLE_S` of silence on a
+        connection that holds nothing, or when a request is not complete :data:`REQUEST_S` after
+        its first byte."""
+        conn.settimeout(None if self._holds_over(key) else IDLE_S)
+        request = conn.recv(REQUEST_BYTES)
+        if not request:
+            return False
+        if len(request) < REQUEST_BYTES:  # the rest must come within one deadline
+            deadline = time.monotonic() + REQUEST_S
+            request = recv_by(conn, request, REQUEST_BYTES, deadline)
+        conn.settimeout(REQUEST_S)  # the answer, too, is bounded: a peer that never reads
+        op, token, check = request[:1], request[1:17], request[17:]
+        if len(request) != REQUEST_BYTES or op not in (FETCH, ACQUIRE, RELEASE):
+            conn.sendall(NO, NOSIGNAL)
+            return False  # the framing is lost: the peer reconnects
+        if op == ACQUIRE:
+            conn.sendall(self._acquire(key, token, check), NOSIGNAL)
+            return True
+        if op == RELEASE:
+            conn.sendall(self._release(key, token), NOSIGNAL)
+            return True
+        with self._lock:
+            entry = self._fds.get(token)
+            answer = NO if entry is None else OK
+            if entry is not None and entry[1] != ANY and entry[1] != check:
+                answer = MISMATCH
+            fd = os.dup(entry[0]) if answer == OK and entry is not None else None
+        if fd is None:  # survives a concurrent revoke while it is sent
+            conn.sendall(answer, NOSIGNAL)
+            return True
+        try:
+            socket.send_fds(conn, [OK], [fd], NOSIGNAL)
+        finally:
+            os.close(fd)
+        return True
+
+
+_broker: Broker | None = None
+_broker_lock = threading.Lock()
+_left_by_fork: list[dict[bytes, Any]] = []
+
+
+def _forget_after_fork() -> None:
+    """A forked child serves nothing of its parent's: close the inherited listening socket and
+    descriptors (the parent's stay open), forget the held objects; a new broker starts on use."""
+    global _broker, _broker_lock
+    inherited, _broker, _broker_lock = _broker, None, threading.Lock()
+    if inherited is not None:
+        inherited._lock, inherited._due = threading.Lock(), threading.Event()  # unheld copies
+        # the parent keeps these alive; the child keeps them too, never dropped: freeing calls
+        # the driver, which a forked child must not do before it execs
+        _left_by_fork.append(inherited._holds)
+        inherited._holds = {}
+        with contextlib.suppress(OSError):
+            inherited.close(inherited=True)
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def _stop_letting_go_at_exit() -> None:
+    if _broker is not None:
+        _broker.stop_letting_go()
+
+
+atexit.register(_stop_letting_go_at_exit)
+
+
+def broker() -> Broker:
+    """This process's broker, started on first use."""
+    global _broker
+    if _broker is None:
+        with _broker_lock:
+            if _broker is None:
+                _broker = Broker()
+    return _broker
+
+
+def is_own(address: str) -> bool:
+    """True when ``address`` is this process's broker (a started one)."""
+    b = _broker
+    return b is not None and b.address == address
