@@ -23,6 +23,8 @@ from memtier import held, ray_by_value, short_release_grace, wait_until
 
 import gpu_serde
 
+pytestmark = pytest.mark.slow  # the fast loop (scripts/test-fast) leaves these out
+
 #: Hand-offs per engine. Dask makes 2,000: its LocalCluster scheduler runs in the sender's process
 #: and grows by itself about 2 KB per task, plain ints too (8 MiB over 4,000 int tasks, distributed
 #: 2026.8, measured 2026-12-03), so 10,000 Dask hand-offs would measure Dask's bookkeeping against

@@ -183,7 +183,7 @@ def reduce_buffer(buf: Buffer, mr: Pool) -> tuple[Any, ...]:
         token = lifetime.hold(buf, p.block, lifetime.let_go_in_context)
         return token, p._replace(token=token).wire()
 
-    return (wire.buf, (lifetime.send(buf, make, survives_close=False),))
+    return lifetime.send(buf, wire.buf, make, survives_close=False)
 
 
 class ImportedMemory(Imported):

@@ -289,7 +289,7 @@ def reduce_buffer(buf: Buffer, mr: VirtualMemoryResource) -> tuple[Any, ...]:
         return hold, p._replace(hold=hold).wire()
 
     # closed, it is still mapped in its importers and served by its descriptor while held
-    return (wire.vbuf, (lifetime.send(buf, make, survives_close=True),))
+    return lifetime.send(buf, wire.vbuf, make, survives_close=True)
 
 
 def _access(mr: VirtualMemoryResource) -> list[Any]:

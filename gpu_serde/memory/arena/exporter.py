@@ -438,7 +438,6 @@ def reduce_buffer(buf: Buffer, mr: ArenaMemoryResource) -> tuple[Any, ...]:
         return token, p._replace(hold=token).wire()
 
     # a block closed while held is freed only once its importers let go: it can be sent again
-    payload = lifetime.send(buf, make, survives_close=True)
-    if buf.handle:
-        r.record(ptr)  # the event follows the work on the buffer's stream (a closed one: done)
-    return (wire.abuf, (payload,))
+    reduction = lifetime.send(buf, wire.abuf, make, survives_close=True)
+    r.record(ptr)  # the event follows the work on the buffer's stream
+    return reduction
