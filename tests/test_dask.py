@@ -59,7 +59,9 @@ def cli_cluster(env_by_name: dict[str, str]):
             client.close()
 
 
-@pytest.fixture(scope="module", params=["python", "cli"])
+@pytest.fixture(
+    scope="module", params=["python", pytest.param("cli", marks=pytest.mark.slow)]
+)
 def dask_cluster(request, simulated_gpus):
     uuids = [g.uuid for g in simulated_gpus]
     env = rotations(uuids)
@@ -173,6 +175,23 @@ def test_devices_tokenize_by_uuid(simulated_gpus):
         assert dask.base.tokenize(Device(1)) != dask.base.tokenize(Device(2))
     finally:
         gpu_serde.uninstall()
+
+
+def test_a_buffer_tokenizes_as_itself_not_as_the_address_it_was_given(simulated_gpus):
+    from cuda.core import DeviceMemoryResource, DeviceMemoryResourceOptions
+
+    d = Device(1)
+    d.set_current()
+    pool = DeviceMemoryResource(d, DeviceMemoryResourceOptions(ipc_enabled=True, max_size=1 << 24))
+    first = pool.allocate(1 << 20, stream=d.default_stream)
+    address, token = int(first.handle), dask.base.tokenize(first)
+    assert dask.base.tokenize(first) == token  # the same buffer: the same key (scatter's hash)
+    first.close()
+    d.default_stream.sync()
+    second = pool.allocate(1 << 20, stream=d.default_stream)
+    assert int(second.handle) == address  # the pool hands the address out again
+    assert dask.base.tokenize(second) != token  # a scattered key is not the earlier buffer's
+    second.close()
 
 
 def vmm_where(obj) -> list:

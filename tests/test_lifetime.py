@@ -90,6 +90,22 @@ class Exporter:
         return wait_until(lambda: open_fds() <= self.fds + slack)
 
 
+@pytest.fixture(scope="module")
+def dask_client(tier):
+    """Two workers that see the tier's GPU, shared by this module's Dask tests (each leaves both
+    alive)."""
+    gpu_serde.visible_devices()  # this process's view, before the workers' is set
+    with dask_on(tier, n_workers=2) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def ray_session(tier):
+    gpu_serde.visible_devices()
+    with ray_on(tier, __name__) as ray:
+        yield ray
+
+
 @pytest.fixture(params=["pool", "arena"])
 def exporter(request, tier, monkeypatch):
     gpu_serde.visible_devices()  # this process's view, before a child's CUDA_VISIBLE_DEVICES is set
@@ -278,109 +294,115 @@ def check_after(buf, _gate) -> dict:
 
 
 def test_a_buffer_closed_while_the_scheduler_holds_its_task_reaches_it_or_its_error(
-    exporter, tier
+    exporter, tier, dask_client
 ):
-    with dask_on(tier, n_workers=2) as client:
-        buf = exporter.allocate(tier.size)
-        gate = client.submit(time.sleep, 2, pure=False)
-        future = client.submit(check_after, buf, gate, pure=False)
-        key = future.key
-        # the scheduler (in this process: a LocalCluster) has the task's arguments, to send on
-        # once the gate is done
-        assert wait_until(lambda: client.run_on_scheduler(_has_task, key=key), timeout=60)
-        buf.close()  # it will pickle the closed buffer again
-        del buf
-        settled = settle([future, gate])
-        if exporter.kind == "arena":  # the block waits for its importers: the bytes arrive
-            assert settled == {"finished": 2} and future.result()["ok"]
-        else:  # closing a pool's buffer frees its memory: the task gets the reason, typed
-            assert settled == {"finished": 1, "error": 1}
-            assert isinstance(future.exception(), gpu_serde.HandoffError)
-            assert "pool's buffer frees its memory" in str(future.exception())
-        assert len(client.scheduler_info()["workers"]) == 2  # both alive
-        del future, gate
-        assert wait_until(exporter.all_back, timeout=GRACE + BOUND + 30), exporter
+    client = dask_client
+    buf = exporter.allocate(tier.size)
+    gate = client.submit(time.sleep, 2, pure=False)
+    future = client.submit(check_after, buf, gate, pure=False)
+    key = future.key
+    # the scheduler (in this process: a LocalCluster) has the task's arguments, to send on
+    # once the gate is done
+    assert wait_until(lambda: client.run_on_scheduler(_has_task, key=key), timeout=60)
+    buf.close()  # it will pickle the closed buffer again
+    del buf
+    settled = settle([future, gate])
+    if exporter.kind == "arena":  # the block waits for its importers: the bytes arrive
+        assert settled == {"finished": 2} and future.result()["ok"]
+    else:  # closing a pool's buffer frees its memory: the task gets the reason, typed
+        assert settled == {"finished": 1, "error": 1}
+        assert isinstance(future.exception(), gpu_serde.HandoffError)
+        assert "pool's buffer frees its memory" in str(future.exception())
+    assert len(client.scheduler_info()["workers"]) == 2  # both alive
+    del future, gate
+    assert wait_until(exporter.all_back, timeout=GRACE + BOUND + 30), exporter
 
 
 def _has_task(dask_scheduler, key) -> bool:
     return key in dask_scheduler.tasks
 
 
-def test_a_buffer_closed_right_after_submit_reaches_its_task_or_its_typed_error(exporter, tier):
-    with dask_on(tier, n_workers=2) as client:
-        buf = exporter.allocate(tier.size)
-        future = client.submit(check, buf, pure=False)
-        buf.close()  # before or after Dask pickled it: either way nothing is lost
-        del buf
-        settled = settle([future])
-        if settled == {"finished": 1}:  # pickled before the close, and kept
-            assert future.result()["ok"]
-        else:  # closed before Dask pickled it: the task gets the reason, typed
-            assert settled == {"error": 1}
-            assert isinstance(future.exception(), gpu_serde.HandoffError)
-            assert "closed by its exporter" in str(future.exception())
-        assert len(client.scheduler_info()["workers"]) == 2  # both alive
-        assert client.submit(os.getpid, pure=False).result(timeout=60) > 0  # the cluster serves
-        del future
-        assert wait_until(exporter.all_back, timeout=GRACE + BOUND + 30), exporter
+def test_a_buffer_closed_right_after_submit_reaches_its_task_or_its_typed_error(
+    exporter, tier, dask_client
+):
+    client = dask_client
+    buf = exporter.allocate(tier.size)
+    future = client.submit(check, buf, pure=False)
+    buf.close()  # before or after Dask pickled it: either way nothing is lost
+    del buf
+    settled = settle([future])
+    if settled == {"finished": 1}:  # pickled before the close, and kept
+        assert future.result()["ok"]
+    else:  # closed before Dask pickled it: the task gets the reason, typed
+        assert settled == {"error": 1}
+        assert isinstance(future.exception(), gpu_serde.HandoffError)
+        assert "closed by its exporter" in str(future.exception())
+    assert len(client.scheduler_info()["workers"]) == 2  # both alive
+    assert client.submit(os.getpid, pure=False).result(timeout=60) > 0  # the cluster serves
+    del future
+    assert wait_until(exporter.all_back, timeout=GRACE + BOUND + 30), exporter
 
 
-def test_a_restart_after_close_recomputes_or_settles_with_a_typed_error(exporter, tier):
-    with dask_on(tier, n_workers=2) as client:
-        buf = exporter.allocate(tier.size)
-        future = client.submit(check, buf, pure=False)
-        assert future.result(timeout=300)["ok"]
-        buf.close()  # done with it: the result is in
-        del buf
-        workers = list(client.scheduler_info()["workers"])
-        client.restart_workers(workers)  # routine: the result is lost, and recomputed
-        settled = settle([future])
-        # within the grace period the hold lasts and the recomputation reads the bytes (a closed
-        # arena block waits for its importers); after it, the task gets the sender's typed error
-        if settled == {"finished": 1}:
-            assert future.result()["ok"]
-        else:
-            assert settled == {"error": 1}
-            error = future.exception()
-            assert isinstance(error, gpu_serde.HandoffError) and "closed" in str(error)
-        assert wait_until(lambda: len(client.scheduler_info()["workers"]) == 2, timeout=60)
-        assert client.submit(os.getpid, pure=False).result(timeout=60) > 0  # the cluster serves
-        del future
-        assert wait_until(exporter.all_back, timeout=GRACE + BOUND + 30), exporter
+def test_a_restart_after_close_recomputes_or_settles_with_a_typed_error(
+    exporter, tier, dask_client
+):
+    client = dask_client
+    buf = exporter.allocate(tier.size)
+    future = client.submit(check, buf, pure=False)
+    assert future.result(timeout=300)["ok"]
+    buf.close()  # done with it: the result is in
+    del buf
+    workers = list(client.scheduler_info()["workers"])
+    client.restart_workers(workers)  # routine: the result is lost, and recomputed
+    settled = settle([future])
+    # within the grace period the hold lasts and the recomputation reads the bytes (a closed
+    # arena block waits for its importers); after it, the task gets the sender's typed error
+    if settled == {"finished": 1}:
+        assert future.result()["ok"]
+    else:
+        assert settled == {"error": 1}
+        error = future.exception()
+        assert isinstance(error, gpu_serde.HandoffError) and "closed" in str(error)
+    assert wait_until(lambda: len(client.scheduler_info()["workers"]) == 2, timeout=60)
+    assert client.submit(os.getpid, pure=False).result(timeout=60) > 0  # the cluster serves
+    del future
+    assert wait_until(exporter.all_back, timeout=GRACE + BOUND + 30), exporter
 
 
 @pytest.mark.slow  # a soak: 100 hand-offs and a worker killed among them
-def test_a_worker_killed_mid_run_with_100_handoffs_in_flight_loses_nothing(exporter, tier):
-    with dask_on(tier, n_workers=2) as client:
-        bufs = [exporter.allocate(64 << 10) for _ in range(100)]
-        futures = [client.submit(check_slowly, b, pure=False) for b in bufs]
-        pids = client.run(os.getpid)
-        victim = sorted(pids)[0]
-        assert wait_until(lambda fs=futures: sum(f.done() for f in fs) >= 10, timeout=120)
-        os.kill(pids[victim], signal.SIGKILL)  # in the middle of its share
-        settled = settle(futures)
-        assert sum(settled.values()) == 100 and set(settled) <= {"finished", "error"}
-        assert all(f.result()["ok"] for f in futures if f.status == "finished")
-        assert wait_until(lambda: len(client.scheduler_info()["workers"]) == 2, timeout=60)
-        del futures, bufs
-        assert wait_until(exporter.all_back, timeout=GRACE + BOUND + 30), exporter
+def test_a_worker_killed_mid_run_with_100_handoffs_in_flight_loses_nothing(
+    exporter, tier, dask_client
+):
+    client = dask_client
+    bufs = [exporter.allocate(64 << 10) for _ in range(100)]
+    futures = [client.submit(check_slowly, b, pure=False) for b in bufs]
+    pids = client.run(os.getpid)
+    victim = sorted(pids)[0]
+    assert wait_until(lambda fs=futures: sum(f.done() for f in fs) >= 10, timeout=120)
+    os.kill(pids[victim], signal.SIGKILL)  # in the middle of its share
+    settled = settle(futures)
+    assert sum(settled.values()) == 100 and set(settled) <= {"finished", "error"}
+    assert all(f.result()["ok"] for f in futures if f.status == "finished")
+    assert wait_until(lambda: len(client.scheduler_info()["workers"]) == 2, timeout=60)
+    del futures, bufs
+    assert wait_until(exporter.all_back, timeout=GRACE + BOUND + 30), exporter
     assert exporter.descriptors_back()
 
 
-def test_a_killed_ray_actor_gives_its_holds_back(exporter, tier):
-    with ray_on(tier, __name__) as ray:
+def test_a_killed_ray_actor_gives_its_holds_back(exporter, tier, ray_session):
+    ray = ray_session
 
-        @ray.remote(num_gpus=0.5)
-        class Holder:
-            def keep(self, buf):
-                self.buf = gpu_serde.resolve(buf)
-                return {**check(self.buf), "pid": os.getpid()}
+    @ray.remote(num_gpus=0.5)
+    class Holder:
+        def keep(self, buf):
+            self.buf = gpu_serde.resolve(buf)
+            return {**check(self.buf), "pid": os.getpid()}
 
-        holder = Holder.remote()
-        buf = exporter.allocate(tier.size)
-        got = ray.get(holder.keep.remote(buf), timeout=300)
-        assert got["ok"] and holders() == {got["pid"]: 1}
-        del buf
-        os.kill(got["pid"], signal.SIGKILL)
-        assert wait_until(exporter.all_back, timeout=GRACE + BOUND)
-        assert holders() == {}
+    holder = Holder.remote()
+    buf = exporter.allocate(tier.size)
+    got = ray.get(holder.keep.remote(buf), timeout=300)
+    assert got["ok"] and holders() == {got["pid"]: 1}
+    del buf
+    os.kill(got["pid"], signal.SIGKILL)
+    assert wait_until(exporter.all_back, timeout=GRACE + BOUND)
+    assert holders() == {}
