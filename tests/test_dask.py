@@ -59,9 +59,7 @@ def cli_cluster(env_by_name: dict[str, str]):
             client.close()
 
 
-@pytest.fixture(
-    scope="module", params=["python", pytest.param("cli", marks=pytest.mark.slow)]
-)
+@pytest.fixture(scope="module", params=["python", pytest.param("cli", marks=pytest.mark.slow)])
 def dask_cluster(request, simulated_gpus):
     uuids = [g.uuid for g in simulated_gpus]
     env = rotations(uuids)
@@ -312,14 +310,19 @@ def test_the_host_table_forgets_a_worker_that_is_killed(simulated_gpus, start):
         client.wait_for_workers(2, timeout=120)
         before = set(client.scheduler_info()["workers"])
         deadline = time.monotonic() + 30
-        while not before <= set(client.run_on_scheduler(_host_table)) and time.monotonic() < deadline:
+        while (
+            not before <= set(client.run_on_scheduler(_host_table)) and time.monotonic() < deadline
+        ):
             time.sleep(0.1)
         assert before <= set(client.run_on_scheduler(_host_table))
         victim = sorted(before)[0]
         os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            table, workers = client.run_on_scheduler(_host_table), client.scheduler_info()["workers"]
+            table, workers = (
+                client.run_on_scheduler(_host_table),
+                client.scheduler_info()["workers"],
+            )
             if victim not in table and len(workers) == 2 and set(workers) <= set(table):
                 break
             time.sleep(0.2)

@@ -253,5 +253,8 @@ def test_a_buffer_that_cannot_be_sent_travels_as_its_error_raised_where_it_is_us
         gpu_serde.resolve(got)
     buffer.close()
     got = pickle.loads(pickle.dumps(buffer))
-    with pytest.raises(HandoffError, match="could not send this Buffer: this Buffer was closed by its exporter before it was sent"):
+    with pytest.raises(
+        HandoffError,
+        match="could not send this Buffer: this Buffer was closed by its exporter before it was sent",
+    ):
         gpu_serde.resolve(got)

@@ -47,9 +47,11 @@ from cuda.core import Buffer, Device, EventOptions, MemoryResource, Stream
 
 from gpu_serde import inventory as _inventory
 from gpu_serde.errors import HandoffError, OtherHostError
+from gpu_serde.format.device import decode_device
 from gpu_serde.hostid import host_id
 from gpu_serde.memory import broker as _broker
 from gpu_serde.memory import driver as _driver
+from gpu_serde.placeholders import not_visible_error
 from gpu_serde.text import quoted
 
 #: Seconds the exporter still keeps a buffer after its last importer released it, so that a hop
@@ -254,7 +256,43 @@ class Import:
             _releases.put((event, *item))
 
 
-class Imported(MemoryResource):
+class MappedDeviceMemory:
+    """What memory mapped from another process reads as: device memory, not host memory, and
+    mapped (cuda.core's own ``Buffer.is_mapped`` says so only of its own imports)."""
+
+    @property
+    def is_device_accessible(self) -> bool:
+        """True: device memory (a pinned pool's buffers say otherwise)."""
+        return True
+
+    @property
+    def is_host_accessible(self) -> bool:
+        """False: device memory (a pinned pool's buffers say otherwise)."""
+        return False
+
+    @property
+    def is_mapped(self) -> bool:
+        """True: the memory is mapped from another process."""
+        return True
+
+
+def local_ordinal(device: bytes, boot: bytes, what: str) -> int:
+    """This process's ordinal of the GPU that device payload ``device`` names, for memory of
+    that GPU exported on host ``boot``; ``what`` names the memory in messages.
+
+    Raises:
+        OtherHostError: the memory was exported on another host.
+        DeviceNotVisibleError: the GPU is not visible in this process.
+    """
+    d = decode_device(device)
+    check_host(boot, f"{what} from host {quoted(d.host)} (pid {d.pid}, GPU {d.canonical_uuid})")
+    ordinal = _inventory.local_ordinal(d.uuid)
+    if ordinal is None:
+        raise not_visible_error(d, _inventory.inventory())
+    return ordinal
+
+
+class Imported(MappedDeviceMemory, MemoryResource):
     """The memory resource of a buffer mapped from another process (``buf.memory_resource`` in
     the receiver): it cannot allocate, and freeing the buffer lets go of its hold.
 
@@ -319,21 +357,6 @@ class Imported(MemoryResource):
     def device_id(self) -> int:
         """This process's ordinal of the GPU the memory is mapped on."""
         return self._device
-
-    @property
-    def is_device_accessible(self) -> bool:
-        """True: device memory (a pinned pool's buffers say otherwise)."""
-        return True
-
-    @property
-    def is_host_accessible(self) -> bool:
-        """False: device memory (a pinned pool's buffers say otherwise)."""
-        return False
-
-    @property
-    def is_mapped(self) -> bool:
-        """True: the memory is mapped from another process."""
-        return True
 
 
 def live_holds() -> int:
