@@ -256,19 +256,24 @@ class Import:
             _releases.put((event, *item))
 
 
-class MappedDeviceMemory:
-    """What memory mapped from another process reads as: device memory, not host memory, and
-    mapped (cuda.core's own ``Buffer.is_mapped`` says so only of its own imports)."""
+class DeviceMemory:
+    """What a memory resource of gpu_serde's reads as by default: device memory, not host
+    memory (an imported pinned pool's buffers say otherwise)."""
 
     @property
     def is_device_accessible(self) -> bool:
-        """True: device memory (a pinned pool's buffers say otherwise)."""
+        """True: device memory."""
         return True
 
     @property
     def is_host_accessible(self) -> bool:
-        """False: device memory (a pinned pool's buffers say otherwise)."""
+        """False: device memory."""
         return False
+
+
+class MappedDeviceMemory(DeviceMemory):
+    """Device memory mapped from another process (cuda.core's own ``Buffer.is_mapped`` says so
+    only of its own imports)."""
 
     @property
     def is_mapped(self) -> bool:

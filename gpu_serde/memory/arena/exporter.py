@@ -243,7 +243,7 @@ def _start_closer() -> None:
             _closer.start()
 
 
-class ArenaMemoryResource(MemoryResource):
+class ArenaMemoryResource(lifetime.DeviceMemory, MemoryResource):
     """A memory resource whose buffers reach other processes with no driver call that grows with
     their size: one region of device memory, mapped once per receiving process, sub-allocated.
 
@@ -354,16 +354,6 @@ class ArenaMemoryResource(MemoryResource):
     def device_id(self) -> int:
         """The GPU's ordinal in this process."""
         return int(self._r.ordinal)
-
-    @property
-    def is_device_accessible(self) -> bool:
-        """True: device memory."""
-        return True
-
-    @property
-    def is_host_accessible(self) -> bool:
-        """False: device memory."""
-        return False
 
     @property
     def is_managed(self) -> bool:
