@@ -21,12 +21,14 @@ from cuda.core import (
     VirtualMemoryResourceOptions,
 )
 
-from gpu_serde import device, registry, wire
+from gpu_serde import device, registry, tensors, wire
 from gpu_serde.errors import DeviceNotVisibleError, HandoffError, PayloadError
 from gpu_serde.memory import buffers, bycopy, pools, portable, unsent, vmm
 from gpu_serde.memory.arena import exporter as arena
 from gpu_serde.memory.arena import importer as arena_importer
 from gpu_serde.placeholders import Kind, define
+from gpu_serde.tensors import sharing as shared
+from gpu_serde.tensors import values
 
 #: type -> the reducer that pickles it while gpu_serde is installed (a ``Buffer`` by the kind of
 #: its memory resource: :data:`gpu_serde.memory.buffers.BY_RESOURCE`)
@@ -56,9 +58,18 @@ KINDS: dict[Any, Kind] = {
         "portable Buffer", portable.rebuild_portable, HandoffError, portable.portable_kind
     ),
     wire.unsent: Kind("unsent object", unsent.rebuild_unsent),
+    wire.tval: Kind("tensor", values.rebuild_value, HandoffError, values.value_kind),
+    wire.tshr: Kind("shared tensor", shared.rebuild_shared, HandoffError, shared.shared_kind),
+    wire.tipc: Kind("torch.Tensor (torch.multiprocessing)", values.rebuild_ipc),
 }
+
+#: the types of libraries gpu_serde does not import: registered in :data:`TYPES`' place (with
+#: ``registry.register``) once the user imports them (torch's ``Tensor`` and ``nn.Parameter``,
+#: CuPy's ``ndarray``: :func:`gpu_serde.tensors.watch`)
+LAZY = ("torch", "cupy")
 
 for _cls, _reducer in TYPES.items():
     registry.register(_cls, _reducer)
 for _name, _kind in KINDS.items():
     define(_name, _kind)
+tensors.watch()
