@@ -7,9 +7,11 @@ validated, into the named tuple below. The fields, in wire order::
 
     meta   (library ("torch" | "cupy"), kind ("Tensor" | "Parameter" | "ndarray"), dtype name,
             itemsize, shape, strides (in elements), offset (in elements), requires_grad)
-           what a tensor looks like over the memory it is carried in: element [0, ..., 0] is
-           ``offset`` elements from the memory's start, every element lies inside it
-    tval   (1, device payload, meta, nbytes, bytes)          by value (gpu_serde.wire.tval)
+           what a tensor looks like over its storage (torch) or allocation (CuPy): element
+           [0, ..., 0] is ``offset`` elements from its start, every element lies inside it
+    tval   (1, device payload, meta, start, nbytes, bytes)   by value (gpu_serde.wire.tval): the
+           bytes of the elements from the first the tensor touches (``start``) to the last; the
+           receiver's storage reaches to the last, so that the offset is kept
     tshr   (1, meta, abuf payload)                          shared without a copy: an arena block
                                                             (gpu_serde.wire.tshr)
     tipc   (1, device payload, boot_id, meta, IPC handle | None, storage bytes, storage offset
@@ -92,8 +94,9 @@ class MetaPayload(NamedTuple):
         return low, high + 1
 
 
-def decode_meta(p: object, nbytes: int, payload: object = None) -> MetaPayload:
-    """Validate a meta tuple that lies over ``nbytes`` bytes of memory.
+def decode_meta(p: object, nbytes: int, payload: object = None, start: int = 0) -> MetaPayload:
+    """Validate a meta tuple whose elements lie inside ``nbytes`` bytes of memory that begin at
+    element ``start``.
 
     Raises:
         PayloadError: malformed, or an element outside the memory.
@@ -127,23 +130,25 @@ def decode_meta(p: object, nbytes: int, payload: object = None) -> MetaPayload:
         raise fail("the offset must be an int >= 0 and requires_grad a bool", whole)
     meta = MetaPayload(library, kind, dtype, itemsize, shape, strides, offset, grad)
     low, high = meta.span()
-    if low < 0 or high * itemsize > nbytes:
+    if low < start or (high - start) * itemsize > nbytes:
         raise fail("the tensor does not lie inside the memory it is carried in", whole)
     return meta
 
 
 class TvalPayload(NamedTuple):
-    """A tensor or array by value: its GPU, how it lies over its bytes, and the bytes."""
+    """A tensor or array by value: its GPU, how it lies over its storage, and the bytes of the
+    elements from index ``start`` on that it touches."""
 
     version: int
     device: bytes
     meta: MetaPayload
+    start: int
     nbytes: int
     data: Any
 
     def wire(self) -> tuple[Any, ...]:
         """The plain tuple that travels."""
-        return (self.version, self.device, self.meta.wire(), self.nbytes, self.data)
+        return (self.version, self.device, self.meta.wire(), self.start, self.nbytes, self.data)
 
 
 class TshrPayload(NamedTuple):
@@ -201,11 +206,13 @@ def decode_tval(p: object) -> TvalPayload:
         PayloadError: anything but a well-formed payload of this version, or bytes that are not
             a contiguous buffer of the stated size.
     """
-    _, dev, meta, nbytes, data = _fields("tensor by value", p, 5)
+    _, dev, meta, start, nbytes, data = _fields("tensor by value", p, 6)
     validate_device(dev)
     if type(nbytes) is not int or not 0 <= nbytes < MAX_SIZE:
         raise fail("the size must be an int >= 0", p)
-    m = decode_meta(meta, nbytes, p)
+    if type(start) is not int or not 0 <= start < MAX_SIZE:
+        raise fail("the first element's index must be an int >= 0", p)
+    m = decode_meta(meta, nbytes, p, start)
     if nbytes % m.itemsize:
         raise fail("the size must be a whole number of elements", p)
     try:
@@ -215,7 +222,7 @@ def decode_tval(p: object) -> TvalPayload:
         ok = False
     if not ok:
         raise fail(f"the data must be a contiguous bytes-like object of {nbytes} bytes", p)
-    return TvalPayload(VERSION, dev, m, nbytes, data)
+    return TvalPayload(VERSION, dev, m, start, nbytes, data)
 
 
 def decode_tshr(p: object) -> TshrPayload:

@@ -97,7 +97,7 @@ def _host_copy(actor: Any, obj_id: str, index: int) -> Any:
             "freed before this receiver fetched a copy"
         )
     p = reducers.value_payload(t)
-    return (p.meta.wire(), p.nbytes, p.data)
+    return (p.meta.wire(), p.start, p.nbytes, p.data)
 
 
 if TensorTransportManager is not None:
@@ -219,15 +219,15 @@ def _receive(obj_id: str, index: int, meta: Any, same_host: bool) -> Any:
             f"cannot be mapped here (pid {os.getpid()}: another host, or its GPU is not "
             "visible), and no actor holds it to copy it from: return tensors from an actor"
         )
-    wire_meta, nbytes, data = ray.get(
+    wire_meta, start, nbytes, data = ray.get(
         meta.source.__ray_call__.options(concurrency_group="_ray_system").remote(
             _host_copy, obj_id, index
         )
     )
-    return _placed(wire_meta, nbytes, data)
+    return _placed(wire_meta, start, nbytes, data)
 
 
-def _placed(wire_meta: Any, nbytes: int, data: Any) -> Any:
+def _placed(wire_meta: Any, start: int, nbytes: int, data: Any) -> Any:
     """A copy's tensor on this process's current device."""
     import torch
 
@@ -235,6 +235,6 @@ def _placed(wire_meta: Any, nbytes: int, data: Any) -> Any:
     from gpu_serde.format.tensor import TvalPayload, decode_meta
     from gpu_serde.tensors import torch as reducers
 
-    m = decode_meta(wire_meta, nbytes)
-    p = TvalPayload(VERSION, b"", m, nbytes, data)
+    m = decode_meta(wire_meta, nbytes, None, start)
+    p = TvalPayload(VERSION, b"", m, start, nbytes, data)
     return reducers.place_value(p, torch.device("cuda", torch.cuda.current_device()))

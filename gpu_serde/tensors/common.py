@@ -11,7 +11,6 @@ from typing import Any
 from gpu_serde import inventory as _inventory
 from gpu_serde.errors import HandoffError
 from gpu_serde.format.device import decode_device, raw_uuid
-from gpu_serde.format.tensor import MetaPayload
 from gpu_serde.placeholders import not_visible_error
 
 #: How a library names a tensor or array in messages.
@@ -83,13 +82,6 @@ class Window:
             "strides": None,
             "version": 3,
         }
-
-
-def rebased(meta: MetaPayload) -> tuple[MetaPayload, int, int]:
-    """``meta`` over just the elements it touches: the new meta (offset from the first of
-    them), the first element's index and how many elements there are."""
-    low, high = meta.span()
-    return meta._replace(offset=meta.offset - low), low, high - low
 
 
 def torch_pickles() -> bool:

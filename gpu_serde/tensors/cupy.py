@@ -22,7 +22,7 @@ from gpu_serde.device import device_payload
 from gpu_serde.errors import PayloadError
 from gpu_serde.format.device import VERSION
 from gpu_serde.format.tensor import MetaPayload, TvalPayload
-from gpu_serde.tensors.common import Carried, rebased
+from gpu_serde.tensors.common import Carried
 
 LIBRARY = "cupy"
 _TYPESTR = re.compile(r"[<>|=][biufc][0-9]{1,2}")
@@ -86,11 +86,12 @@ def storage_of(x: Any) -> tuple[int, int]:
     return int(x.data.mem.ptr), int(x.data.ptr)
 
 
-def span(x: Any) -> tuple[MetaPayload, int, int]:
-    """``x``'s meta rebased on the elements it touches, the address of the first of them and
-    their size in bytes."""
-    meta, low, count = rebased(meta_of(x, 0))
-    return meta, int(x.data.ptr) + low * meta.itemsize, count * meta.itemsize
+def span(x: Any) -> tuple[MetaPayload, int, int, int]:
+    """``x``'s meta over its allocation, the allocation's address, and the first element it
+    touches and how many from there to the last."""
+    meta = meta_of(x)
+    low, high = meta.span()
+    return meta, int(x.data.mem.ptr), low, high - low
 
 
 def _strided(flat: Any, meta: MetaPayload, dtype: Any) -> Any:
@@ -112,15 +113,17 @@ def reduce_array(x: Any) -> tuple[Any, ...]:
     if origin is not None:
         return origin
     try:
-        meta, start, nbytes = span(x)
+        meta, _, low, count = span(x)
+        nbytes = count * meta.itemsize
         if nbytes:
-            at = cupy.cuda.MemoryPointer(x.data.mem, start - x.data.mem.ptr)
+            at = cupy.cuda.MemoryPointer(x.data.mem, low * meta.itemsize)
             raw = cupy.ndarray((nbytes,), cupy.uint8, memptr=at)
             host = raw.get()  # after the work queued on the current stream
         else:
             host = np.empty((0,), dtype=np.uint8)
         dev = device_payload(_device(device_of(x)))
-        p = TvalPayload(VERSION, dev, meta, nbytes, Carried(memoryview(host).cast("B")))
+        view = Carried(memoryview(host).cast("B"))
+        p = TvalPayload(VERSION, dev, meta, low, nbytes, view)
     except Exception as exc:
         return unsent.unsent("cupy.ndarray", exc)
     return (wire.tval, (p.wire(),))
@@ -133,12 +136,14 @@ def _device(ordinal: int) -> Any:
 
 
 def from_value(p: TvalPayload, ordinal: int) -> Any:
-    """A new array on device ``ordinal`` with a by-value payload's bytes."""
+    """A new array on device ``ordinal`` with a by-value payload's bytes; its allocation reaches
+    from the start to the last element, so that the offset is kept."""
     dtype = dtype_of(p.meta)
+    skip = p.start * p.meta.itemsize
     with cupy.cuda.Device(ordinal):
-        flat = cupy.empty((p.nbytes,), dtype=cupy.uint8)
+        flat = cupy.empty((skip + p.nbytes,), dtype=cupy.uint8)
         if p.nbytes:
-            flat.set(np.frombuffer(p.data, dtype=np.uint8))
+            flat[skip:].set(np.frombuffer(p.data, dtype=np.uint8))
         return _strided(flat, p.meta, dtype)
 
 
@@ -176,14 +181,12 @@ def place_array(x: Any, device: Any) -> Any:
 def place_value(p: TvalPayload, device: Any) -> Any:
     """A by-value payload's array on ``device`` (``"cpu"``: NumPy; an ordinal: CuPy)."""
     dtype = dtype_of(p.meta)
-    if device == "cpu":
-        flat = np.frombuffer(bytearray(memoryview(p.data).cast("B")), dtype=np.uint8)
-        return _numpy(flat, p.meta, dtype)
-    return from_value(p, int(device))
-
-
-def _numpy(flat: Any, meta: MetaPayload, dtype: Any) -> Any:
+    if device != "cpu":
+        return from_value(p, int(device))
+    skip = p.start * p.meta.itemsize
+    flat = np.empty((skip + p.nbytes,), dtype=np.uint8)
+    flat[skip:] = np.frombuffer(p.data, dtype=np.uint8)
     typed = flat.view(dtype)
-    strides = tuple(s * meta.itemsize for s in meta.strides)
-    base = typed[meta.offset :] if typed.size else typed
-    return np.lib.stride_tricks.as_strided(base, meta.shape, strides)
+    strides = tuple(s * p.meta.itemsize for s in p.meta.strides)
+    base = typed[p.meta.offset :] if typed.size else typed
+    return np.lib.stride_tricks.as_strided(base, p.meta.shape, strides)

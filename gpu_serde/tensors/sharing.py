@@ -235,15 +235,16 @@ def share(x: Any) -> Shared:
     if found is not None:
         return found
     ordinal = m.device_of(x)
-    meta, start, nbytes = m.span(x)
-    buf = allocate(ordinal, nbytes)
+    meta, base, low, count = m.span(x)
+    skip, nbytes = low * meta.itemsize, count * meta.itemsize
+    buf = allocate(ordinal, skip + nbytes)  # the offset is kept: the block reaches to the last
     stream = default_stream(ordinal)
     if nbytes:
         current = m.current_stream(ordinal)
         with _driver.context(ordinal):
             _driver.check(
                 "cuMemcpyDtoDAsync",
-                driver.cuMemcpyDtoDAsync(int(buf.handle), start, nbytes, current),
+                driver.cuMemcpyDtoDAsync(int(buf.handle) + skip, base + skip, nbytes, current),
             )
         follow(ordinal, current, stream)
     warnings.warn(

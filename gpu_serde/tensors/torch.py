@@ -31,7 +31,7 @@ from gpu_serde.format.tensor import MetaPayload, TipcPayload, TvalPayload
 from gpu_serde.hostid import host_id
 from gpu_serde.memory import driver as _driver
 from gpu_serde.memory.bycopy import host_memory_available
-from gpu_serde.tensors.common import Carried, Window, rebased, torch_pickles
+from gpu_serde.tensors.common import Carried, Window, torch_pickles
 
 LIBRARY = "torch"
 _KINDS = {torch.Tensor: "Tensor", torch.nn.Parameter: "Parameter"}
@@ -113,17 +113,18 @@ def value_payload(t: Any) -> TvalPayload:
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
-    meta, low, count = rebased(meta_of(t)._replace(kind=kind, requires_grad=grad))
-    nbytes = count * meta.itemsize
+    meta = meta_of(t)._replace(kind=kind, requires_grad=grad)
+    low, high = meta.span()
+    nbytes = (high - low) * meta.itemsize
     if nbytes > host_memory_available():
         raise HostCopyError(
             f"sending a CUDA tensor of {nbytes} bytes by value needs as much host memory; this "
             "host has less available. Share it instead (gpu_serde.share), or send less."
         )
-    flat = t.as_strided((count,), (1,), low)
-    host = flat.cpu() if count else torch.empty((0,), dtype=t.dtype)
+    flat = t.as_strided((high - low,), (1,), low)
+    host = flat.cpu() if high > low else torch.empty((0,), dtype=t.dtype)
     view = memoryview(host.view(torch.uint8).numpy()).cast("B")
-    return TvalPayload(VERSION, device_payload(Device(t.device.index)), meta, nbytes, view)
+    return TvalPayload(VERSION, device_payload(Device(t.device.index)), meta, low, nbytes, view)
 
 
 def reduce_tensor(t: Any) -> tuple[Any, ...]:
@@ -147,17 +148,18 @@ def reduce_tensor(t: Any) -> tuple[Any, ...]:
 
 def from_value(p: TvalPayload, ordinal: int) -> Any:
     """A new tensor on device ``ordinal`` with a by-value payload's bytes (copied in on the
-    current stream, in order before any later work on it)."""
+    current stream, in order before any later work on it); its storage reaches from the start
+    to the last element, so that the offset is kept."""
     dtype = dtype_of(p.meta)
-    count = p.nbytes // p.meta.itemsize
     device = torch.device("cuda", ordinal)
-    dst = torch.empty((count,), dtype=dtype, device=device)
+    dst = torch.empty((p.start + p.nbytes // p.meta.itemsize,), dtype=dtype, device=device)
     if p.nbytes:
         src = memoryview(p.data).cast("B")
+        at = dst.data_ptr() + p.start * p.meta.itemsize
         with _driver.context(ordinal):
             _driver.check(
                 "cuMemcpyHtoDAsync",
-                driver.cuMemcpyHtoDAsync(dst.data_ptr(), src, p.nbytes, current_stream(ordinal)),
+                driver.cuMemcpyHtoDAsync(at, src, p.nbytes, current_stream(ordinal)),
             )
     return finish(dst.as_strided(p.meta.shape, p.meta.strides, p.meta.offset), p.meta)
 
@@ -183,12 +185,12 @@ def storage_of(t: Any) -> tuple[int, int]:
     return int(t.untyped_storage().data_ptr()), int(t.data_ptr())
 
 
-def span(t: Any) -> tuple[MetaPayload, int, int]:
-    """``t``'s meta rebased on the elements it touches, the address of the first of them and
-    their size in bytes."""
-    meta, low, count = rebased(meta_of(t))
-    first = int(t.untyped_storage().data_ptr()) + low * meta.itemsize
-    return meta, first, count * meta.itemsize
+def span(t: Any) -> tuple[MetaPayload, int, int, int]:
+    """``t``'s meta over its storage, the storage's address, and the first element it touches
+    and how many from there to the last."""
+    meta = meta_of(t)
+    low, high = meta.span()
+    return meta, int(t.untyped_storage().data_ptr()), low, high - low
 
 
 def device_of(t: Any) -> int:
@@ -303,9 +305,8 @@ def place_value(p: TvalPayload, device: Any) -> Any:
     dtype = dtype_of(p.meta)
     where = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     count = p.nbytes // p.meta.itemsize
+    full = torch.empty((p.start + count,), dtype=dtype, device=where)
     if count:
         raw = torch.frombuffer(bytearray(memoryview(p.data).cast("B")), dtype=torch.uint8)
-        flat = (raw if dtype == torch.uint8 else raw.view(dtype)).to(where)
-    else:
-        flat = torch.empty((0,), dtype=dtype, device=where)
-    return finish(flat.as_strided(p.meta.shape, p.meta.strides, p.meta.offset), p.meta)
+        full[p.start :] = (raw if dtype == torch.uint8 else raw.view(dtype)).to(where)
+    return finish(full.as_strided(p.meta.shape, p.meta.strides, p.meta.offset), p.meta)
