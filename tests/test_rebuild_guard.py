@@ -25,8 +25,8 @@ from gpu_serde import (
     wire,
 )
 from gpu_serde.device import device_payload
-from gpu_serde.hostid import host_id
 from gpu_serde.format.device import encode_device
+from gpu_serde.hostid import host_id
 from gpu_serde.memory.vmm import options_payload
 
 RECONSTRUCTORS = [

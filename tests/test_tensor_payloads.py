@@ -13,7 +13,6 @@ import sys
 
 import pytest
 from cuda.core import Device
-from helpers import env_without_driver, run_child
 
 import gpu_serde
 from gpu_serde import DeviceNotVisibleError, OtherHostError, PayloadError, UnresolvedObject, wire
@@ -23,6 +22,7 @@ from gpu_serde.format.device import encode_device
 from gpu_serde.format.tensor import decode_meta, decode_tipc, decode_tshr, decode_tval
 from gpu_serde.hostid import host_id
 from gpu_serde.tensors.common import Carried
+from helpers import env_without_driver, run_child
 
 STRANGER = encode_device(bytes(range(16)), False, 3, 42, "node-b", "NVIDIA H200")
 META = ("torch", "Tensor", "float32", 4, (4, 4), (4, 1), 0, False)
@@ -122,12 +122,12 @@ def test_a_malformed_by_value_payload_is_a_payload_error(installed, payload, why
 @pytest.mark.parametrize(
     ("payload", "why"),
     [
-        (tipc()[:4] + (bytes(5000),) + tipc()[5:], "IPC handle"),
-        (tipc()[:9] + (bytes(63),) + tipc()[10:], "event handle"),
-        (tipc()[:10] + (1,), "event_sync_required"),
-        (tipc()[:2] + (bytes(3),) + tipc()[3:], "boot id"),
+        ((*tipc()[:4], bytes(5000), *tipc()[5:]), "IPC handle"),
+        ((*tipc()[:9], bytes(63), *tipc()[10:]), "event handle"),
+        ((*tipc()[:10], 1), "event_sync_required"),
+        ((*tipc()[:2], bytes(3), *tipc()[3:]), "boot id"),
         (tipc(meta=("cupy", "ndarray", "<f4", 4, (4,), (1,), 0, False)), "torch tensor"),
-        (tipc()[:5] + (8,) + tipc()[6:], "does not lie inside"),
+        ((*tipc()[:5], 8, *tipc()[6:]), "does not lie inside"),
     ],
 )
 def test_a_malformed_torch_ipc_payload_is_a_payload_error(installed, payload, why):

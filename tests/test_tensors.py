@@ -117,21 +117,23 @@ def test_place_moves_a_tensor_that_arrived_as_a_tensor():
 
 def test_a_non_float_payload_that_asks_for_grad_is_a_payload_error(installed):
     payload = cpu_payload(CASES["expanded"])
-    meta = payload[2][:7] + (True,)
-    got = wire.tval(payload[:2] + (meta,) + payload[3:])
+    meta = (*payload[2][:7], True)
+    got = wire.tval((*payload[:2], meta, *payload[3:]))
     with pytest.raises(gpu_serde.PayloadError, match="cannot require grad"):
         gpu_serde.tensors.place(got, "cpu")
 
 
 def test_a_dtype_this_torch_does_not_have_is_a_payload_error(installed):
     payload = cpu_payload(CASES["contiguous"])
-    meta = ("torch", "Tensor", "float4_e9", 4) + payload[2][4:]
-    got = wire.tval(payload[:2] + (meta,) + payload[3:])
-    with pytest.raises(gpu_serde.PayloadError, match="no dtype .float4_e9."):
+    meta = ("torch", "Tensor", "float4_e9", 4, *payload[2][4:])
+    got = wire.tval((*payload[:2], meta, *payload[3:]))
+    with pytest.raises(gpu_serde.PayloadError, match=r"no dtype .float4_e9."):
         gpu_serde.tensors.place(got, "cpu")
 
 
-@pytest.mark.parametrize("obj", [CASES["contiguous"], [1, 2], "x"], ids=["cpu tensor", "list", "str"])
+@pytest.mark.parametrize(
+    "obj", [CASES["contiguous"], [1, 2], "x"], ids=["cpu tensor", "list", "str"]
+)
 def test_share_takes_only_cuda_tensors_and_arrays(obj):
     with pytest.raises(TypeError, match=r"gpu_serde\.share\(\) takes"):
         gpu_serde.share(obj)
