@@ -43,6 +43,7 @@ import time
 from typing import Any
 
 import _handoff_parts as parts
+import _results
 import handoff_table as ht
 from _common import machine, paired_ci, use_gpus
 
@@ -52,6 +53,15 @@ VS_DEFAULT = 1000.0
 VALUE_RATIO = 1.2
 KIND = {"default": "torch-own", "value": "torch", "rdt": "torch", "rdt-gs": "arena-tensor"}
 SLOW = ("default", "value")
+#: path -> the series its rows carry in a results file (metric "tensor_handoff")
+SERIES = {
+    "share": "gpu_serde.share",
+    "arena": "gpu_serde.arena",
+    "default": "engine_default.torch",
+    "value": "gpu_serde.value",
+    "rdt": "ray_rdt.cuda_ipc.torch",
+    "rdt-gs": "ray_rdt.gpu_serde.torch",
+}
 NAMES = {
     "share": "gpu_serde.share (no copy)",
     "arena": "gpu_serde arena Buffer",
@@ -299,6 +309,38 @@ def verdicts(run: ht.Run, at: dict[tuple[str, int], dict[str, Any]]) -> None:
         )
 
 
+def rows(raw: dict[str, Any]) -> list[dict[str, Any]]:
+    """The raw record as result rows (``benchmarks/results/README.md``): metric
+    ``tensor_handoff``, one row per engine, path and size."""
+    out = []
+    for r in raw["results"]:
+        engine, path = ht_engine(r["engine"])
+        out.append(
+            {
+                "metric": "tensor_handoff",
+                "engine": engine,
+                "series": SERIES[r["path"]],
+                "path": path,
+                "size": _results.label(r["size"]),
+                "size_bytes": r["size"],
+                "value": r["handoff_s"],
+                "unit": "s",
+                "low": r["low_s"],
+                "high": r["high_s"],
+                "stat": f"median over {r['rounds']} interleaved rounds of (round trip - int round "
+                "trip), 95% interval",
+                "round_trip": r["roundtrip_s"],
+                "int_round_trip": r["int_roundtrip_s"],
+            }
+        )
+    return out
+
+
+def ht_engine(engine: str) -> tuple[str, str]:
+    """``(engine, path)`` as handoff_table's results name them."""
+    return _results.ENGINES[engine]  # type: ignore[no-any-return]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1MiB,64MiB,1GiB,4GiB,16GiB")
@@ -358,10 +400,15 @@ def main() -> None:
             "skipped": run.skipped,
             "seconds": time.monotonic() - run.started,
         }
-        for path in filter(None, (args.raw_json, args.json)):
-            with open(path, "w") as f:
+        if args.raw_json:
+            with open(args.raw_json, "w") as f:
                 json.dump(record, f, indent=1)
-            ht.log(f"results written to {path}")
+        if args.json:
+            command = "python benchmarks/tensor_table.py " + " ".join(sys.argv[1:])
+            doc = _results.document(record, rows(record), "tensor_table", command)
+            with open(args.json, "w") as f:
+                json.dump(doc, f, indent=1)
+            ht.log(f"results written to {args.json}")
 
 
 if __name__ == "__main__":
