@@ -205,3 +205,40 @@ def test_the_lazy_hook_left_torchs_module_as_torch_loaded_it():
     assert isinstance(torch, types.ModuleType)
     assert type(torch.__loader__).__name__ == "SourceFileLoader"
     assert torch.__spec__ is not None and torch.__spec__.loader is torch.__loader__
+
+
+def _return(x):
+    return x
+
+
+def _use(x):
+    import gpu_serde
+
+    gpu_serde.resolve(x)
+    return x.sum().item()
+
+
+def test_dask_carries_cpu_tensors_and_placeholders_worker_to_worker_and_no_future_hangs(
+    installed_torch,
+):
+    from distributed import Client, LocalCluster
+
+    import gpu_serde.dask
+
+    t = CASES["transposed"]
+    stranger = wire.tval(cpu_payload(CASES["bf16"]))  # a GPU no process here sees
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, host="127.0.0.1", dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        gpu_serde.dask.register(client)
+        a, b = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        made = client.submit(_return, t, workers=[a], pure=False)
+        total = client.submit(_use, made, workers=[b], pure=False).result(timeout=60)
+        far = client.submit(_return, stranger, workers=[a], pure=False)
+        used = client.submit(_use, far, workers=[b], pure=False)
+        with pytest.raises(DeviceNotVisibleError):
+            used.result(timeout=60)  # the typed error, not a future that never settles
+    assert total == t.sum().item()
