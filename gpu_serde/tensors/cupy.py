@@ -154,7 +154,9 @@ def over(buf: Any, meta: MetaPayload, ordinal: int) -> Any:
     dtype = dtype_of(meta)
     mem = cupy.cuda.UnownedMemory(int(buf.handle), int(buf.size), buf, ordinal)
     with cupy.cuda.Device(ordinal):
-        return _strided(cupy.cuda.MemoryPointer(mem, 0), meta, dtype)
+        at = cupy.cuda.MemoryPointer(mem, 0)
+        flat = cupy.ndarray((int(buf.size),), cupy.uint8, memptr=at)
+        return _strided(flat, meta, dtype)
 
 
 def allocator(arena: Any = None) -> Any:

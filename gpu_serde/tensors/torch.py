@@ -34,6 +34,7 @@ from gpu_serde.memory.bycopy import host_memory_available
 from gpu_serde.tensors.common import Carried, Window, torch_pickles
 
 LIBRARY = "torch"
+_CHECK_ABOVE = 64 << 20  # smaller copies do not read /proc/meminfo first
 _KINDS = {torch.Tensor: "Tensor", torch.nn.Parameter: "Parameter"}
 
 
@@ -116,7 +117,7 @@ def value_payload(t: Any) -> TvalPayload:
     meta = meta_of(t)._replace(kind=kind, requires_grad=grad)
     low, high = meta.span()
     nbytes = (high - low) * meta.itemsize
-    if nbytes > host_memory_available():
+    if nbytes > _CHECK_ABOVE and nbytes > host_memory_available():
         raise HostCopyError(
             f"sending a CUDA tensor of {nbytes} bytes by value needs as much host memory; this "
             "host has less available. Share it instead (gpu_serde.share), or send less."
