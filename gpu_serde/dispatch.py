@@ -5,7 +5,8 @@ GPU UUID while gpu_serde is installed (:func:`gpu_serde.install` registers them 
 and ``multiprocessing``). :data:`KINDS` names each wire name a pickle can carry
 (:mod:`gpu_serde.wire`), the rebuild its reconstructor runs under the one guard of
 :mod:`gpu_serde.placeholders`, and what the payload is called in messages. Each reducer sits beside
-its rebuild in its type module; importing this module fills both tables.
+its rebuild in its type module; importing this module fills both tables. :data:`LAZY_TYPES` names
+the torch and CuPy types, registered once the user imports those libraries.
 """
 
 from __future__ import annotations
@@ -63,13 +64,17 @@ KINDS: dict[Any, Kind] = {
     wire.tipc: Kind("torch.Tensor (torch.multiprocessing)", values.rebuild_ipc),
 }
 
-#: the types of libraries gpu_serde does not import: registered in :data:`TYPES`' place (with
-#: ``registry.register``) once the user imports them (torch's ``Tensor`` and ``nn.Parameter``,
-#: CuPy's ``ndarray``: :func:`gpu_serde.tensors.watch`)
-LAZY = ("torch", "cupy")
+#: types of libraries gpu_serde never imports -> (the module of their reducers, the reducer, the
+#: one in ``multiprocessing``'s table): registered like :data:`TYPES` once the user imports the
+#: library (:func:`gpu_serde.tensors.watch`)
+LAZY_TYPES: dict[str, tuple[str, str, str]] = {
+    "torch.Tensor": ("gpu_serde.tensors.torch", "reduce_tensor", "reduce_tensor_mp"),
+    "torch.nn.Parameter": ("gpu_serde.tensors.torch", "reduce_tensor", "reduce_tensor_mp"),
+    "cupy.ndarray": ("gpu_serde.tensors.cupy", "reduce_array", "reduce_array"),
+}
 
 for _cls, _reducer in TYPES.items():
     registry.register(_cls, _reducer)
 for _name, _kind in KINDS.items():
     define(_name, _kind)
-tensors.watch()
+tensors.watch(LAZY_TYPES)

@@ -1,8 +1,9 @@
 """torch tensors and CuPy arrays by GPU UUID (docs/tensors.md).
 
-Importing gpu_serde imports neither torch nor CuPy: :func:`watch` (run by gpu_serde's dispatch
-table) registers their reducers when the user imports them (:mod:`~gpu_serde.tensors.lazy`), as
-distributed's ``protocol/`` registers its per-library serializers lazily. Then, while gpu_serde
+Importing gpu_serde imports neither torch nor CuPy: :func:`watch` (run with gpu_serde's dispatch
+table, :data:`gpu_serde.dispatch.LAZY_TYPES`) registers their reducers when the user imports them
+(:mod:`~gpu_serde.tensors.lazy`), as distributed's ``protocol/`` registers its per-library
+serializers lazily. Then, while gpu_serde
 is installed:
 
 - a CUDA ``torch.Tensor`` or ``nn.Parameter``, or a ``cupy.ndarray``, pickled by pickle,
@@ -30,6 +31,8 @@ only once the library is), :mod:`~gpu_serde.tensors.common`, :mod:`~gpu_serde.te
 
 from __future__ import annotations
 
+import functools
+import importlib
 from types import ModuleType
 from typing import Any
 
@@ -50,30 +53,33 @@ __all__ = [
 ]
 
 
-def _torch_imported(torch: ModuleType) -> None:
-    from gpu_serde.tensors import torch as reducers
-
-    for cls in (torch.Tensor, torch.nn.Parameter):
-        registry.register(cls, reducers.reduce_tensor, mp=reducers.reduce_tensor_mp)
-
-
-def _cupy_imported(cupy: ModuleType) -> None:
-    from gpu_serde.tensors import cupy as reducers
-
-    registry.register(cupy.ndarray, reducers.reduce_array)
-
-
 _watching = False
 
 
-def watch() -> None:
-    """Register the torch and CuPy reducers with gpu_serde's table once each library is imported
-    (now, for one imported already). Idempotent; imports neither."""
+def watch(types: dict[str, tuple[str, str, str]]) -> None:
+    """Register each type of ``types`` (``"library.Type"`` -> (reducers' module, reducer,
+    ``multiprocessing`` reducer): :data:`gpu_serde.dispatch.LAZY_TYPES`) with gpu_serde's table
+    once its library is imported (now, for one imported already). Idempotent; imports nothing.
+    """
     global _watching
-    if not _watching:
-        _watching = True
-        when_imported("torch", _torch_imported)
-        when_imported("cupy", _cupy_imported)
+    if _watching:
+        return
+    _watching = True
+    libraries: dict[str, list[tuple[str, tuple[str, str, str]]]] = {}
+    for name, how in types.items():
+        libraries.setdefault(name.partition(".")[0], []).append((name, how))
+    for library, entries in libraries.items():
+        when_imported(library, functools.partial(_register, entries))
+
+
+def _register(entries: list[tuple[str, tuple[str, str, str]]], library: ModuleType) -> None:
+    """Register the reducers of ``entries`` for their types (``library`` is imported)."""
+    for name, (where, reducer, mp) in entries:
+        cls: Any = library
+        for part in name.split(".")[1:]:
+            cls = getattr(cls, part)
+        reducers = importlib.import_module(where)
+        registry.register(cls, getattr(reducers, reducer), mp=getattr(reducers, mp))
 
 
 def _ordinal(device: Any) -> int:
