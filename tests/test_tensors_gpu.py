@@ -151,6 +151,19 @@ def test_a_cuda_tensor_on_a_multiprocessing_queue_is_shared_on_the_same_gpu(gpu,
         assert got[name]["device"] == 0
 
 
+def test_a_tensor_in_gpu_serde_memory_on_a_multiprocessing_queue_travels_as_shared(
+    gpu, monkeypatch
+):
+    ordinal, uuid = gpu
+    x = gpu_serde.tensors.empty((1024,), torch.float32, ordinal)
+    x.fill_(2.0)
+    with child(monkeypatch, uuid) as run:
+        got = run(describe_and_add, x)  # torch's IPC cannot share it: gpu_serde's share does
+        torch.cuda.synchronize()
+    assert pickle.loads(got["values"]).equal(torch.full((1024,), 2.0))
+    assert x.equal(torch.full((1024,), 1002.0, device=x.device))
+
+
 # ---- share: no copy on one host ---------------------------------------------------------------
 
 

@@ -244,15 +244,26 @@ def reduce_tensor_mp(t: Any) -> tuple[Any, ...]:
     """``multiprocessing`` reducer for ``torch.Tensor`` and ``nn.Parameter`` while gpu_serde is
     installed: torch's own (``torch.multiprocessing.reductions.reduce_tensor``: shared memory for
     CPU tensors, CUDA IPC for CUDA tensors), with a CUDA tensor's device carried by UUID instead
-    of the index (``gpu_serde.wire.tipc``).
+    of the index (``gpu_serde.wire.tipc``). A tensor in gpu_serde memory (which torch's IPC
+    cannot share: torch did not allocate it) travels as :func:`gpu_serde.share` sends it, and a
+    shared tensor received here as it came.
 
     Raises:
         RuntimeError: as torch's reducer (a non-leaf tensor that requires grad, ...).
     """
     from torch.multiprocessing import reductions
 
+    from gpu_serde.memory import lifetime
+    from gpu_serde.tensors import sharing
+
     if not carried(t):
         return reductions.reduce_tensor(t)  # type: ignore[no-any-return]
+    origin = lifetime.forwarded(t)
+    if origin is not None:  # a shared tensor received here travels on as it came
+        return origin
+    shared = sharing.in_gpu_serde_memory(t)  # torch cannot share memory it did not allocate
+    if shared is not None:
+        return sharing.reduce_shared(shared)
     fn, args = reductions.reduce_tensor(t)
     if fn is not reductions.rebuild_cuda_tensor:
         return fn, args
