@@ -12,6 +12,8 @@ import socket
 import threading
 from dataclasses import dataclass, field
 
+from cuda.bindings import driver
+
 from gpu_serde.hostid import describe_host
 from gpu_serde.identity import (
     DeviceInfo,
@@ -96,10 +98,6 @@ def _enumerate() -> Inventory:
     def empty(reason: str) -> Inventory:
         return Inventory((), reason, cvd, host, pid)
 
-    try:
-        from cuda.bindings import driver
-    except ImportError as exc:  # pragma: no cover - cuda-bindings is a dependency
-        return empty(f"cuda-bindings is not importable ({exc})")
     try:
         (err,) = driver.cuInit(0)
     except RuntimeError as exc:  # cuda.pathfinder's DynamicLibNotFoundError

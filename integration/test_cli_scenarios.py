@@ -14,6 +14,8 @@ from cuda.core import Device
 import gpu_serde
 from gpu_serde.tools import doctor
 
+pytestmark = pytest.mark.slow  # the fast loop (scripts/test-fast) leaves these out
+
 
 def device_for(uuid: str) -> Device:
     return Device(next(d.ordinal for d in gpu_serde.visible_devices() if d.uuid == uuid))

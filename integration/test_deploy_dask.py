@@ -24,6 +24,8 @@ import gpu_serde
 import gpu_serde.dask
 from gpu_serde.testing.clusters import dask_cli_cluster
 
+pytestmark = pytest.mark.slow  # the fast loop (scripts/test-fast) leaves these out
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 CLIENT = os.path.join(HERE, "dask_route_client.py")
 PRELOAD = '["gpu_serde.dask"]'

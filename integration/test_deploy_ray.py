@@ -21,6 +21,8 @@ import pytest
 from gpu_serde.ray import ENV_HOOK, HOOK
 from gpu_serde.testing.clusters import RAY_IP, cli, free_port, ray_cli_cluster
 
+pytestmark = pytest.mark.slow  # the fast loop (scripts/test-fast) leaves these out
+
 DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ray_route_driver.py")
 
 

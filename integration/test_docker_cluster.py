@@ -16,10 +16,13 @@ import pytest
 import gpu_serde
 from gpu_serde.tools import doctor
 
-pytestmark = pytest.mark.skipif(
-    not os.environ.get("GPU_SERDE_IN_DOCKER"),
-    reason="needs the docker cluster (scripts/test-docker)",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not os.environ.get("GPU_SERDE_IN_DOCKER"),
+        reason="needs the docker cluster (scripts/test-docker)",
+    ),
+    pytest.mark.slow,
+]
 
 
 def container() -> int:

@@ -28,6 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: How a ```python fence's second word marks it (empty: run in the CPU tier).
 MARKERS = ("", "gpu", "fragment")
+#: What a block that starts a cluster of its own calls.
+CLUSTER = re.compile(r"\bray\.init\(|\bLocalCluster\(|\bSpecCluster\(|\bCluster\(")
 #: Languages that are Python under another name: the test refuses them (they would escape it).
 PYTHON_ALIASES = {"py", "python3", "py3", "pycon", "ipython", "ipython3"}
 
@@ -47,6 +49,11 @@ class Block:
     @property
     def id(self) -> str:
         return f"{self.doc}#{self.number}"
+
+    @property
+    def starts_cluster(self) -> bool:
+        """True when the block starts a Ray or Dask cluster of its own (the fast loop skips it)."""
+        return bool(CLUSTER.search(self.code))
 
 
 def doc_files() -> list[str]:

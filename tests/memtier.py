@@ -10,11 +10,15 @@ The only gpu_serde internals the memory tests reach are here (re-point them when
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import gc
+import multiprocessing
 import os
+import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -162,15 +166,197 @@ def served() -> int:
     return len(broker())
 
 
-def short_release_grace(monkeypatch: pytest.MonkeyPatch, seconds: float = 0.5) -> None:
-    """Let imported pools go ``seconds`` after their last buffer (tests wait for it)."""
-    from gpu_serde.memory import lifetime as handoff
+def held_from(mr) -> int:
+    """How many buffers of memory resource ``mr`` this process's broker keeps for importers."""
+    from gpu_serde.memory.broker import broker
 
-    monkeypatch.setattr(handoff, "RELEASE_GRACE_S", seconds)
+    b = broker()
+    with b._lock:
+        objs = [h.obj for h in b._holds.values()]
+    return sum(getattr(o, "memory_resource", None) is mr for o in objs)
+
+
+def holders() -> dict[int, int]:
+    """This process's broker's live holds, by the pid of the process that took them."""
+    from gpu_serde.memory.broker import broker
+
+    return broker().holders()
+
+
+def short_release_grace(monkeypatch: pytest.MonkeyPatch, seconds: float = 0.5) -> None:
+    """Let exported buffers go ``seconds`` after their last importer (tests wait for it)."""
+    from gpu_serde.memory import lifetime
+
+    monkeypatch.setattr(lifetime, "RELEASE_GRACE_S", seconds)
 
 
 def regions_mapped() -> int:
     """How many arena regions this process has mapped (each one once)."""
-    from gpu_serde.memory.arena import importer as regions
+    from gpu_serde.memory.arena import importer
 
-    return regions.maps
+    return importer.maps
+
+
+def open_fds(pid: int | str = "self") -> int:
+    """How many descriptors a process of this host has open."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+# ---- the processes that receive: a spawned child, a Ray session, a Dask cluster ----
+KEPT: dict = {}  # what a child keeps between jobs
+
+
+def serve(inbox, outbox) -> None:
+    """A long-lived receiver: runs each job on its argument and answers (an exception by name)."""
+    import gpu_serde
+
+    gpu_serde.install()
+    while (item := inbox.get(timeout=300)) is not None:
+        job, arg = item
+        try:
+            outbox.put(job(arg))
+        except Exception as exc:
+            outbox.put({"error": type(exc).__name__, "message": str(exc)})
+        del item, arg
+        gc.collect()
+
+
+@dataclass
+class Child:
+    """A spawned receiver: ``run(job, arg)`` sends a job and waits for its answer."""
+
+    process: multiprocessing.process.BaseProcess
+    inbox: object
+    outbox: object
+
+    def run(self, job: Callable, arg: object) -> object:
+        self.inbox.put((job, arg))  # type: ignore[attr-defined]
+        return self.outbox.get(timeout=300)  # type: ignore[attr-defined]
+
+    @property
+    def pid(self) -> int:
+        return int(self.process.pid)
+
+
+@contextlib.contextmanager
+def child(monkeypatch: pytest.MonkeyPatch, uuid: str, **env: str) -> Iterator[Child]:
+    """A spawned receiver that sees only the GPU ``uuid`` (its ordinal 0), stopped (or killed)
+    on exit."""
+    ctx = multiprocessing.get_context("spawn")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", uuid)  # the UUID form, not "0"
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    process = ctx.Process(target=serve, args=(inbox, outbox))
+    process.start()
+    try:
+        yield Child(process, inbox, outbox)
+    finally:
+        if process.is_alive():
+            inbox.put(None)
+            process.join(60)
+        if process.is_alive():
+            process.kill()
+            process.join(10)
+        for q in (inbox, outbox):  # their pipes, not left open for the next test to count
+            q.cancel_join_thread()
+            q.close()
+        process.close()
+
+
+def keep(buf) -> dict:
+    """Job: check the buffer and keep it until ``drop``."""
+    import gpu_serde
+
+    KEPT["buf"] = gpu_serde.resolve(buf)
+    return check(KEPT["buf"])
+
+
+def check_kept(_) -> dict:
+    """Job: check the buffer ``keep`` kept, again."""
+    return check(KEPT["buf"])
+
+
+def drop(_) -> bool:
+    """Job: close the kept buffer (on the device's default stream)."""
+    KEPT.pop("buf").close()
+    return True
+
+
+@contextlib.contextmanager
+def ray_on(tier: Tier, module: str, num_cpus: int = 4) -> Iterator[object]:
+    """A local Ray session whose one GPU is the tier's, gpu_serde in the driver and workers, the
+    test ``module``'s functions shipped by value."""
+    import ray
+
+    import gpu_serde.ray
+
+    ray_by_value(module)
+    with pytest.MonkeyPatch.context() as mp:
+        # the node's one GPU is the tier's (the raylet hands this entry to GPU workers as is)
+        mp.setenv("CUDA_VISIBLE_DEVICES", tier.uuid)
+        gpu_serde.ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            num_gpus=1,
+            include_dashboard=False,
+            log_to_driver=False,
+        )
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+@contextlib.contextmanager
+def dask_on(tier: Tier, n_workers: int = 1) -> Iterator[object]:
+    """A LocalCluster (Nanny workers, one thread each) whose workers see only the tier's GPU, with
+    gpu_serde registered; yields its Client. The scheduler runs in this process: its log of recent
+    messages would keep every buffer sent alive, so it is off (docs/memory.md)."""
+    import dask
+    from distributed import Client, LocalCluster
+
+    import gpu_serde.dask
+
+    with (
+        dask.config.set({"distributed.admin.low-level-log-length": 0}),
+        LocalCluster(
+            n_workers=n_workers,
+            threads_per_worker=1,
+            host="127.0.0.1",
+            dashboard_address=":0",
+            env={"CUDA_VISIBLE_DEVICES": tier.uuid},
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        gpu_serde.dask.register(client)
+        yield client
+
+
+EXPORT_AND_WAIT = """
+import pickle, sys, gpu_serde
+from cuda.core import Device, DeviceMemoryResource, DeviceMemoryResourceOptions
+gpu_serde.install(); d = Device(0); d.set_current()
+if sys.argv[1] == "arena":
+    mr = gpu_serde.ArenaMemoryResource(d, 4 << 20)
+else:
+    mr = DeviceMemoryResource(d, DeviceMemoryResourceOptions(ipc_enabled=True, max_size=4 << 20))
+print(pickle.dumps(mr.allocate(1 << 20, stream=d.default_stream)).hex(), flush=True)
+sys.stdin.read()
+"""
+
+
+def killed_exporter_payload(tier: Tier, kind: str = "pool") -> bytes:
+    """A pickled buffer (``kind``: "pool" or "arena") whose exporting process was then killed."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=tier.uuid)
+    exporter = subprocess.Popen(
+        [sys.executable, "-c", EXPORT_AND_WAIT, kind],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    blob = bytes.fromhex(exporter.stdout.readline().strip())  # type: ignore[union-attr]
+    exporter.kill()
+    exporter.wait(30)
+    return blob

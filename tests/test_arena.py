@@ -9,19 +9,20 @@ pattern back with ``cuMemcpyDtoH``.
 from __future__ import annotations
 
 import contextlib
-import gc
-import multiprocessing
 import os
 import pickle
-import subprocess
-import sys
 
 import pytest
 from cuda.core import Device
 from memtier import (
     check,
+    child,
+    dask_on,
+    drop,
     fill,
-    ray_by_value,
+    keep,
+    killed_exporter_payload,
+    ray_on,
     regions_mapped,
     short_release_grace,
     wait_until,
@@ -29,56 +30,6 @@ from memtier import (
 
 import gpu_serde
 from gpu_serde import ArenaFullError, ArenaMemoryResource
-
-KEPT: dict = {}  # what a child keeps between jobs
-
-
-def serve(inbox, outbox) -> None:
-    """A long-lived receiver: runs each job on its argument and answers (an exception by name)."""
-    gpu_serde.install()
-    while (item := inbox.get(timeout=300)) is not None:
-        job, arg = item
-        try:
-            outbox.put(job(arg))
-        except Exception as exc:
-            outbox.put({"error": type(exc).__name__, "message": str(exc)})
-        del item, arg
-        gc.collect()
-
-
-@contextlib.contextmanager
-def child(monkeypatch, uuid: str, **env: str):
-    """A spawned receiver that sees only the GPU ``uuid`` (its ordinal 0); yields ``run(job,
-    arg)``, which sends the job and waits for its answer."""
-    ctx = multiprocessing.get_context("spawn")
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", uuid)  # the UUID form, not "0"
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    inbox, outbox = ctx.Queue(), ctx.Queue()
-    process = ctx.Process(target=serve, args=(inbox, outbox))
-    process.start()
-
-    def run(job, arg):
-        inbox.put((job, arg))
-        return outbox.get(timeout=300)
-
-    try:
-        yield run
-    finally:
-        inbox.put(None)
-        process.join(60)
-
-
-def keep(buf) -> dict:
-    """Job: check the buffer and keep it until ``drop``."""
-    KEPT["buf"] = gpu_serde.resolve(buf)
-    return check(KEPT["buf"])
-
-
-def drop(_) -> bool:
-    """Job: close the kept buffer (on the device's default stream)."""
-    KEPT.pop("buf").close()
-    return True
 
 
 def check_all(bufs) -> dict:
@@ -126,8 +77,8 @@ def test_an_arena_buffer_reaches_a_child_with_other_cuda_visible_devices(gpu, ti
     arena = ArenaMemoryResource(gpu, tier.size)
     buf = arena.allocate(tier.size)
     fill(buf)
-    with child(monkeypatch, tier.uuid) as run:
-        got = run(check, buf)
+    with child(monkeypatch, tier.uuid) as c:
+        got = c.run(check, buf)
     assert got["ok"] and got["size"] == tier.size and got["pid"] != os.getpid()
     assert got["device"] == 0  # the child's ordinal of the same GPU
 
@@ -137,9 +88,9 @@ def test_a_child_maps_the_region_once_for_all_its_buffers(gpu, tier, monkeypatch
     bufs = [arena.allocate(tier.size // 4) for _ in range(4)]
     for buf in bufs:
         fill(buf)
-    with child(monkeypatch, tier.uuid) as run:
-        first = run(check_all, bufs[:3])
-        later = run(check_all, bufs[3:])
+    with child(monkeypatch, tier.uuid) as c:
+        first = c.run(check_all, bufs[:3])
+        later = c.run(check_all, bufs[3:])
     assert first == {"ok": [True] * 3, "maps": 1}
     assert later == {"ok": [True], "maps": 1}  # a later buffer maps nothing
 
@@ -149,8 +100,8 @@ def test_a_buffer_allocated_on_a_stream_of_its_own_reaches_a_child(gpu, tier, mo
     stream = gpu.create_stream()
     buf = arena.allocate(tier.size // 2, stream=stream)  # its hand-offs are ordered on it
     fill(buf)
-    with child(monkeypatch, tier.uuid) as run:
-        got = run(check, buf)
+    with child(monkeypatch, tier.uuid) as c:
+        got = c.run(check, buf)
     assert got["ok"] and got["size"] == tier.size // 2
 
 
@@ -178,13 +129,13 @@ def test_a_block_an_importer_holds_is_reused_only_after_it_closed_it(gpu, tier, 
     buf = arena.allocate(arena.size)
     fill(buf)
     where = int(buf.handle)
-    with child(monkeypatch, tier.uuid) as run:
-        assert run(keep, buf)["ok"]
+    with child(monkeypatch, tier.uuid) as c:
+        assert c.run(keep, buf)["ok"]
         buf.close()  # the sender is done with it; the child is not
         with pytest.raises(ArenaFullError) as info:
             arena.allocate(arena.size)  # the block is not handed out while the child holds it
         assert info.value.held == arena.size
-        assert run(drop, None)  # the child closes it (and lives on)
+        assert c.run(drop, None)  # the child closes it (and lives on)
         again: list = []
 
         def reused() -> bool:
@@ -198,8 +149,8 @@ def test_a_block_an_importer_holds_is_reused_only_after_it_closed_it(gpu, tier, 
 
 def test_an_arena_reaches_a_child_as_an_imported_arena_that_cannot_allocate(gpu, tier, monkeypatch):
     arena = ArenaMemoryResource(gpu, tier.size)
-    with child(monkeypatch, tier.uuid) as run:
-        got = run(describe_arena, arena)
+    with child(monkeypatch, tier.uuid) as c:
+        got = c.run(describe_arena, arena)
     assert got == {
         "type": "ImportedArena",
         "device": 0,
@@ -212,8 +163,8 @@ def test_an_arena_reaches_a_child_as_an_imported_arena_that_cannot_allocate(gpu,
 def test_a_received_buffer_sent_back_is_the_exporters_own(gpu, tier, monkeypatch):
     arena = ArenaMemoryResource(gpu, tier.size)
     buf = arena.allocate(tier.size // 2)
-    with child(monkeypatch, tier.uuid) as run:
-        back = run(send_back, buf)
+    with child(monkeypatch, tier.uuid) as c:
+        back = c.run(send_back, buf)
     assert pickle.loads(back) is buf  # it travelled on as it came
 
 
@@ -227,50 +178,21 @@ def test_an_arena_and_its_buffers_come_back_to_their_exporter_as_its_own(gpu, ti
 def test_memory_from_another_host_is_the_typed_error(gpu, tier, monkeypatch):
     arena = ArenaMemoryResource(gpu, tier.size)
     buf = arena.allocate(tier.size // 2)
-    with child(monkeypatch, tier.uuid, GPU_SERDE_HOST_ID="another-host") as run:
-        got = run(check, buf)
+    with child(monkeypatch, tier.uuid, GPU_SERDE_HOST_ID="another-host") as c:
+        got = c.run(check, buf)
     assert got["error"] == "OtherHostError" and "another host" in got["message"]
 
 
 def test_a_killed_exporter_gives_exporter_gone_error(gpu, tier):
-    code = (
-        "import pickle, sys, gpu_serde\n"
-        "from cuda.core import Device\n"
-        "gpu_serde.install(); d = Device(0); d.set_current()\n"
-        "arena = gpu_serde.ArenaMemoryResource(d, 4 << 20)\n"
-        "print(pickle.dumps(arena.allocate(1 << 20)).hex(), flush=True)\n"
-        "sys.stdin.read()\n"
-    )
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=tier.uuid)
-    exporter = subprocess.Popen(
-        [sys.executable, "-c", code],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    blob = bytes.fromhex(exporter.stdout.readline().strip())
-    exporter.kill()
-    exporter.wait(30)
-    got = pickle.loads(blob)  # never raises: the error waits for use
+    got = pickle.loads(killed_exporter_payload(tier, "arena"))  # never raises: the error waits
     with pytest.raises(gpu_serde.ExporterGoneError):
         gpu_serde.resolve(got)
 
 
 @pytest.fixture(scope="module")
 def ray_session(tier):
-    import ray
-
-    import gpu_serde.ray
-
-    ray_by_value(__name__)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CUDA_VISIBLE_DEVICES", tier.uuid)  # the node's one GPU is the tier's
-        gpu_serde.ray.init(
-            address="local", num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False
-        )
-    yield ray
-    ray.shutdown()
+    with ray_on(tier, __name__, num_cpus=2) as ray:
+        yield ray
 
 
 def test_a_ray_actor_receives_arena_buffers_and_maps_the_region_once(ray_session, gpu, tier):
@@ -292,24 +214,10 @@ def test_a_ray_actor_receives_arena_buffers_and_maps_the_region_once(ray_session
 
 
 def test_a_dask_worker_receives_an_arena_buffer(gpu, tier):
-    from distributed import Client, LocalCluster
-
-    import gpu_serde.dask
-
     arena = ArenaMemoryResource(gpu, tier.size)
     buf = arena.allocate(tier.size)
     fill(buf)
-    with (
-        LocalCluster(
-            n_workers=1,
-            threads_per_worker=1,
-            host="127.0.0.1",
-            dashboard_address=":0",
-            env={"CUDA_VISIBLE_DEVICES": tier.uuid},
-        ) as cluster,
-        Client(cluster) as client,
-    ):
-        gpu_serde.dask.register(client)
+    with dask_on(tier) as client:
         got = client.submit(check, buf, pure=False).result(timeout=300)
     assert got["ok"] and got["size"] == tier.size and got["pid"] != os.getpid()
     assert got["device"] == 0
@@ -378,14 +286,14 @@ def test_the_receiver_sees_what_the_sender_queued_on_its_stream_before_sending(
     buf = arena.allocate(gib, stream=stream)
     (err,) = driver.cuMemsetD32Async(int(buf.handle), 1, gib // 4, int(stream.handle))
     stream.sync()  # what the memory held before
-    with child(monkeypatch, real_gpu[-1].uuid) as run:
-        run(check_all, [])  # the child is up and has started CUDA
+    with child(monkeypatch, real_gpu[-1].uuid) as c:
+        c.run(check_all, [])  # the child is up and has started CUDA
         spin(dev, stream, 2_000_000_000)  # 2 s
         (err,) = driver.cuMemsetD32Async(int(buf.handle), 0xABCD, gib // 4, int(stream.handle))
         assert err == driver.CUresult.CUDA_SUCCESS
         # the test means something only if the write is still queued when the buffer is sent
         assert driver.cuStreamQuery(stream.handle)[0] == driver.CUresult.CUDA_ERROR_NOT_READY
-        got = run(read_on_own_stream, buf)  # no synchronisation before sending
+        got = c.run(read_on_own_stream, buf)  # no synchronisation before sending
     assert got == {"first": 0xABCD, "every word the same": True}
 
 

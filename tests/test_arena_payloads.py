@@ -18,9 +18,9 @@ from gpu_serde import (
     UnresolvedObject,
 )
 from gpu_serde.device import device_payload
-from gpu_serde.hostid import host_id
-from gpu_serde.format.memory import decode_abuf, decode_region
 from gpu_serde.format.device import encode_device
+from gpu_serde.format.memory import decode_abuf, decode_region
+from gpu_serde.hostid import host_id
 from gpu_serde.wire import abuf, arena
 
 NOBODY = "@gpu_serde-test-nobody-listens"

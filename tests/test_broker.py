@@ -10,10 +10,9 @@ import time
 
 import pytest
 
-from gpu_serde.memory.broker import server
-from gpu_serde.memory.broker import client as broker_client
-from gpu_serde.memory.broker import Broker, acquire, disconnect, fetch, release
 from gpu_serde.errors import ExporterGoneError, TokenRefusedError
+from gpu_serde.memory.broker import Broker, acquire, disconnect, fetch, release, server
+from gpu_serde.memory.broker import client as broker_client
 
 EXPORTER = """
 import os, sys

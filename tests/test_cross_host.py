@@ -63,7 +63,8 @@ def make_in_arena(size: int):
 
 def exporter_counts() -> dict:
     """Runs in the exporter: host copies it made and buffers its broker holds for importers."""
-    from gpu_serde.memory import broker, bycopy as hostcopy
+    from gpu_serde.memory import broker
+    from gpu_serde.memory import bycopy as hostcopy
 
     return {"to_host": hostcopy.counts()["to_host"], "held": broker.broker().held()}
 

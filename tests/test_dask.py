@@ -59,7 +59,7 @@ def cli_cluster(env_by_name: dict[str, str]):
             client.close()
 
 
-@pytest.fixture(scope="module", params=["python", "cli"])
+@pytest.fixture(scope="module", params=["python", pytest.param("cli", marks=pytest.mark.slow)])
 def dask_cluster(request, simulated_gpus):
     uuids = [g.uuid for g in simulated_gpus]
     env = rotations(uuids)
@@ -175,6 +175,23 @@ def test_devices_tokenize_by_uuid(simulated_gpus):
         gpu_serde.uninstall()
 
 
+def test_a_buffer_tokenizes_as_itself_not_as_the_address_it_was_given(simulated_gpus):
+    from cuda.core import DeviceMemoryResource, DeviceMemoryResourceOptions
+
+    d = Device(1)
+    d.set_current()
+    pool = DeviceMemoryResource(d, DeviceMemoryResourceOptions(ipc_enabled=True, max_size=1 << 24))
+    first = pool.allocate(1 << 20, stream=d.default_stream)
+    address, token = int(first.handle), dask.base.tokenize(first)
+    assert dask.base.tokenize(first) == token  # the same buffer: the same key (scatter's hash)
+    first.close()
+    d.default_stream.sync()
+    second = pool.allocate(1 << 20, stream=d.default_stream)
+    assert int(second.handle) == address  # the pool hands the address out again
+    assert dask.base.tokenize(second) != token  # a scattered key is not the earlier buffer's
+    second.close()
+
+
 def vmm_where(obj) -> list:
     """On a worker: the received VirtualMemoryResource's device and peers as (ordinal, UUID)."""
     mr = gpu_serde.resolve(obj)
@@ -271,3 +288,44 @@ def test_a_bad_payload_from_client_run_reaches_the_client_as_a_placeholder(dask_
     with pytest.raises(gpu_serde.PayloadError, match=says):
         gpu_serde.resolve(got[workers["w1"]])
     assert_still_serving(client, workers)
+
+
+def _host_table(dask_scheduler) -> dict:
+    return dict(dask_scheduler.task_metadata.get("gpu_serde-hosts", {}))
+
+
+@pytest.mark.parametrize("start", ["python", pytest.param("cli", marks=pytest.mark.slow)])
+def test_the_host_table_forgets_a_worker_that_is_killed(simulated_gpus, start):
+    import signal
+    import time
+
+    env = {"a": simulated_gpus[0].uuid, "b": simulated_gpus[1].uuid}
+    with contextlib.ExitStack() as stack:
+        if start == "python":
+            client, close = spec_cluster(env)
+            stack.callback(close)
+        else:
+            client = stack.enter_context(cli_cluster(env))
+        stack.callback(gpu_serde.uninstall)
+        client.wait_for_workers(2, timeout=120)
+        before = set(client.scheduler_info()["workers"])
+        deadline = time.monotonic() + 30
+        while (
+            not before <= set(client.run_on_scheduler(_host_table)) and time.monotonic() < deadline
+        ):
+            time.sleep(0.1)
+        assert before <= set(client.run_on_scheduler(_host_table))
+        victim = sorted(before)[0]
+        os.kill(client.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            table, workers = (
+                client.run_on_scheduler(_host_table),
+                client.scheduler_info()["workers"],
+            )
+            if victim not in table and len(workers) == 2 and set(workers) <= set(table):
+                break
+            time.sleep(0.2)
+        assert victim not in table  # gone with the worker: no entry, not a None
+        assert set(workers) <= set(table) and len(workers) == 2  # its replacement joined
+        assert all(isinstance(v, str) for v in table.values())

@@ -10,7 +10,7 @@ import pytest
 from helpers import env_without_driver
 
 
-@pytest.mark.parametrize("engine", ["dask", "ray"])
+@pytest.mark.parametrize("engine", ["dask", pytest.param("ray", marks=pytest.mark.slow)])
 def test_the_demo_shows_one_uuid_and_hands_the_buffer_on_simulated_gpus(engine):
     done = subprocess.run(
         [sys.executable, "-m", "gpu_serde.tools.cli", "demo", "--engine", engine],

@@ -27,11 +27,14 @@ BLOCKS = all_blocks()  # a malformed marker fails collection, naming the file an
 TIMEOUT_S = 240
 
 
-RUNNABLE = [
-    pytest.param(b, id=b.id, marks=[pytest.mark.gpu] if b.marker == "gpu" else [])
-    for b in BLOCKS
-    if b.marker != "fragment"
-]
+def _marks(b) -> list:
+    return [
+        *([pytest.mark.gpu] if b.marker == "gpu" else []),
+        *([pytest.mark.slow] if b.starts_cluster else []),
+    ]
+
+
+RUNNABLE = [pytest.param(b, id=b.id, marks=_marks(b)) for b in BLOCKS if b.marker != "fragment"]
 
 
 @pytest.mark.parametrize("block", RUNNABLE)

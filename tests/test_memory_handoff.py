@@ -133,6 +133,7 @@ def test_a_buffer_reaches_a_child_with_other_cuda_visible_devices_and_is_let_go(
     assert exited_cleanly(child.exitcode)
 
 
+@pytest.mark.slow  # a soak: ten children in a row
 def test_children_that_exit_right_after_reading_let_every_buffer_go(pool, tier, monkeypatch):
     """The receiver's free is told from a background thread: an exit right after it must neither
     lose that release (the exporter's memory would stay held) nor crash the child at teardown

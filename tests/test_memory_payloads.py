@@ -21,9 +21,9 @@ from gpu_serde import (
     UnresolvedObject,
 )
 from gpu_serde.device import device_payload
-from gpu_serde.hostid import host_id
-from gpu_serde.format.memory import decode_buffer, decode_pool
 from gpu_serde.format.device import encode_device
+from gpu_serde.format.memory import decode_buffer, decode_pool
+from gpu_serde.hostid import host_id
 from gpu_serde.wire import buf, pool
 
 NOBODY = "@gpu_serde-test-nobody-listens"
@@ -253,5 +253,8 @@ def test_a_buffer_that_cannot_be_sent_travels_as_its_error_raised_where_it_is_us
         gpu_serde.resolve(got)
     buffer.close()
     got = pickle.loads(pickle.dumps(buffer))
-    with pytest.raises(HandoffError, match="could not send this Buffer: this Buffer is closed: a closed buffer cannot be sent"):
+    with pytest.raises(
+        HandoffError,
+        match="could not send this Buffer: this Buffer was closed by its exporter before it was sent",
+    ):
         gpu_serde.resolve(got)

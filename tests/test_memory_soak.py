@@ -19,9 +19,11 @@ import time
 
 import pytest
 from cuda.core import Device, DeviceMemoryResource, DeviceMemoryResourceOptions
-from memtier import held, ray_by_value, short_release_grace, wait_until
+from memtier import dask_on, held, ray_on, short_release_grace, wait_until
 
 import gpu_serde
+
+pytestmark = pytest.mark.slow  # the fast loop (scripts/test-fast) leaves these out
 
 #: Hand-offs per engine. Dask makes 2,000: its LocalCluster scheduler runs in the sender's process
 #: and grows by itself about 2 KB per task, plain ints too (8 MiB over 4,000 int tasks, distributed
@@ -175,15 +177,7 @@ def test_multiprocessing_handoffs_leave_nothing_behind(kind, request, tier, monk
 
 
 def test_ray_handoffs_leave_nothing_behind(pool, tier):
-    import ray
-
-    import gpu_serde.ray
-
-    ray_by_value(__name__)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CUDA_VISIBLE_DEVICES", tier.uuid)
-        gpu_serde.ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False)
-    try:
+    with ray_on(tier, __name__, num_cpus=2) as ray:
 
         @ray.remote(num_gpus=1)
         class Receiver:
@@ -194,30 +188,10 @@ def test_ray_handoffs_leave_nothing_behind(pool, tier):
         soak = Soak(pool, "ray")
         soak.run(lambda buf: ray.get(receiver.read.remote(buf), timeout=60))
         assert_flat(soak)
-    finally:
-        ray.shutdown()
 
 
 def test_dask_handoffs_leave_nothing_behind(pool, tier):
-    import dask
-    from distributed import Client, LocalCluster
-
-    import gpu_serde.dask
-
-    with (
-        # LocalCluster's scheduler runs in the sender's process and its log of recent messages
-        # keeps the last 1000 buffers alive (docs/memory.md): without this the pool stays full
-        dask.config.set({"distributed.admin.low-level-log-length": 0}),
-        LocalCluster(
-            n_workers=1,
-            threads_per_worker=1,
-            host="127.0.0.1",
-            dashboard_address=":0",
-            env={"CUDA_VISIBLE_DEVICES": tier.uuid},
-        ) as cluster,
-        Client(cluster) as client,
-    ):
-        gpu_serde.dask.register(client)
+    with dask_on(tier) as client:  # the scheduler's log of messages is off: it would keep buffers
         soak = Soak(pool, "dask")
         soak.run(lambda buf: client.submit(read_number, buf, pure=False).result(timeout=60))
         assert_flat(soak)

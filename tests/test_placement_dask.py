@@ -15,8 +15,8 @@ from doc_blocks import python_blocks, run_block
 
 import gpu_serde
 import gpu_serde.dask
-from gpu_serde.identity import uuid_bytes
 from gpu_serde.format.device import encode_device
+from gpu_serde.identity import uuid_bytes
 from gpu_serde.testing import spec_cluster_options
 from gpu_serde.wire import dev as rebuild_device
 

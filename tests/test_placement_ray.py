@@ -17,8 +17,8 @@ from ray.cluster_utils import Cluster
 
 import gpu_serde
 import gpu_serde.ray
-from gpu_serde.identity import uuid_bytes
 from gpu_serde.format.device import encode_device
+from gpu_serde.identity import uuid_bytes
 from gpu_serde.wire import dev as rebuild_device
 
 pytest.importorskip("markdown_it", reason="the docs extra reads the README's code blocks")
@@ -165,6 +165,7 @@ def ray_env(cluster) -> dict[str, str]:
     return dict(os.environ, RAY_ADDRESS=cluster["address"])
 
 
+@pytest.mark.slow  # a doc block that starts a Ray driver of its own
 def test_the_readme_ray_example_runs_as_written_on_a_cluster_of_nodes(cluster):
     # tests/test_doc_blocks.py runs it on a local cluster of its own; here the GPU is on a node
     # of a cluster whose head has none
@@ -173,6 +174,7 @@ def test_the_readme_ray_example_runs_as_written_on_a_cluster_of_nodes(cluster):
     assert out.strip().splitlines()[-1] == f"task:   GPU 0 {cluster['uuids'][1][4:]}"
 
 
+@pytest.mark.slow  # a doc block that starts a Ray driver of its own
 def test_the_ray_quick_start_runs_as_written(cluster):
     [code] = python_blocks("docs/quickstart-ray.md", "gpu_serde.ray.on")
     out = run_block(code, ray_env(cluster))

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -36,10 +38,19 @@ def _tokenize_device(dev: Device) -> tuple[str, bytes]:
     return ("cuda.core.Device", uuid_bytes(uuid))
 
 
-def _tokenize_buffer(buf: Buffer) -> tuple[str, int, int, int]:
-    """Buffers hash by address and size: hashing never exports them (which would keep them
-    alive for importers that never come)."""
-    return ("cuda.core.Buffer", int(buf.handle), buf.size, os.getpid())
+_buffer_tokens: dict[int, str] = {}  # id(buffer) -> its token, while it lives
+
+
+def _tokenize_buffer(buf: Buffer) -> tuple[str, str]:
+    """A buffer hashes as itself: one token per Buffer object for its life, never exported (which
+    would keep it alive for importers that never come). Not by address: a pool hands the same
+    address to the next buffer, and two buffers with one key let the scheduler forget the second
+    when it forgets the first (a flaky "lost dependencies" after ``scatter``)."""
+    token = _buffer_tokens.get(id(buf))
+    if token is None:
+        token = _buffer_tokens[id(buf)] = uuid.uuid4().hex
+        weakref.finalize(buf, _buffer_tokens.pop, id(buf), None)
+    return ("cuda.core.Buffer", token)
 
 
 def _tokenize_pool(mr: DeviceMemoryResource | PinnedMemoryResource) -> tuple[str, str, int, int]:

@@ -51,14 +51,12 @@ def reduction(buf: Buffer) -> tuple[Any, ...]:
                 "you close it"
             )
         return origin
+    if not buf.handle:  # closed: cuda.core no longer says its memory resource
+        return lifetime.sent_closed(buf)
     mr = buf.memory_resource
     for kind, (reducer, _) in BY_RESOURCE.items():
         if isinstance(mr, kind):
             return reducer(buf, mr)
-    if not buf.handle:
-        raise HandoffError(
-            "this Buffer is closed: a closed buffer cannot be sent; send it before you close it"
-        )
     raise NotIPCEnabledError(
         f"{buf!r} cannot be sent to another process without a copy: only buffers allocated "
         "from an IPC-enabled DeviceMemoryResource or PinnedMemoryResource (or a "

@@ -40,15 +40,18 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from cuda.core import Buffer, Device, EventOptions, MemoryResource, Stream
 
 from gpu_serde import inventory as _inventory
 from gpu_serde.errors import HandoffError, OtherHostError
+from gpu_serde.format.device import decode_device
 from gpu_serde.hostid import host_id
 from gpu_serde.memory import broker as _broker
 from gpu_serde.memory import driver as _driver
+from gpu_serde.placeholders import not_visible_error
 from gpu_serde.text import quoted
 
 #: Seconds the exporter still keeps a buffer after its last importer released it, so that a hop
@@ -84,7 +87,21 @@ def check_host(boot: bytes, what: str) -> None:
 
 # ---- the exporter's side ----
 lock = threading.RLock()  # guards what was sent and what was imported, in every memory module
-_sent: weakref.WeakKeyDictionary[Any, tuple[bytes, tuple[Any, ...]]] = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class _Sent:
+    """How a buffer was sent: its hold's token, its reduction, and whether its block outlives a
+    close while held."""
+
+    token: bytes
+    reduction: tuple[Any, ...]
+    survives_close: bool
+
+
+#: id(sent buffer) -> how it was sent, while it lives (by id: a Buffer's hash changes when it is
+#: closed, so a WeakKeyDictionary would lose a closed buffer's entry)
+_sent: dict[int, _Sent] = {}
 
 
 def hold(obj: object, block: bytes, on_release: Callable[[Any], None]) -> bytes:
@@ -97,36 +114,58 @@ def hold(obj: object, block: bytes, on_release: Callable[[Any], None]) -> bytes:
 
 def send(
     buf: Buffer,
+    name: Callable[..., Any],
     make: Callable[[], tuple[bytes, tuple[Any, ...]]],
     *,
     survives_close: bool,
 ) -> tuple[Any, ...]:
-    """The payload ``buf`` travels as: the one it was sent with while its exporter still holds
-    it, else ``make()``'s, which holds it (:func:`hold`), returns ``(hold token, payload)`` and
-    is remembered.
+    """The reduction ``(name, (payload,))`` that ``buf`` travels as: the one it was sent with
+    while its exporter still holds it, else one made of ``make()``, which holds it (:func:`hold`)
+    and returns ``(hold token, payload)``; it is remembered.
 
-    A closed buffer travels as its first payload while it is still held, if its memory kind keeps
-    the block until its importers let go (``survives_close``: an arena defers the free, a VMM
-    allocation lives while it is mapped); a pool's buffer is freed by ``close`` whatever is held.
+    ``survives_close`` says whether the memory kind keeps a closed buffer's block while it is
+    held (an arena defers the free, a VMM allocation lives while it is mapped): such a buffer,
+    closed, still travels as it was first sent while held (:func:`sent_closed`). A pool's buffer is
+    freed by ``close`` whatever is held.
 
     Raises:
-        HandoffError: ``buf`` is closed, and no hold of it (or of its memory) is left to send.
+        HandoffError: as :func:`sent_closed`, for a closed buffer.
     """
     with lock:
-        sent = _sent.get(buf)
-        held = sent is not None and _broker.broker().peek(sent[0]) is buf
         if not buf.handle:
-            if held and survives_close:
-                return sent[1]  # type: ignore[index]  # held: sent is not None
-            raise HandoffError(
-                "this Buffer was closed by its exporter before it was sent"
-                + ("" if sent is None else " again, and its importers had let go of it")
-                + ": a closed buffer cannot be sent; send it before you close it"
-                + ("" if survives_close else " (closing a pool's buffer frees its memory)")
-            )
-        if not held:
-            sent = _sent[buf] = make()
-        return sent[1]  # type: ignore[index]  # set just above
+            return sent_closed(buf)
+        sent = _sent.get(id(buf))
+        if sent is None or _broker.broker().peek(sent.token) is not buf:  # first time, or let go
+            token, payload = make()
+            if id(buf) not in _sent:
+                weakref.finalize(buf, _sent.pop, id(buf), None)
+            sent = _sent[id(buf)] = _Sent(token, (name, (payload,)), survives_close)
+        return sent.reduction
+
+
+def sent_closed(buf: Buffer) -> tuple[Any, ...]:
+    """The reduction a closed buffer was first sent with, while its exporter still holds it and
+    its memory kind keeps the block until its importers let go.
+
+    Raises:
+        HandoffError: the buffer was never sent, its importers let go of it, or its kind frees
+            the memory at close.
+    """
+    with lock:
+        sent = _sent.get(id(buf))
+        if sent is not None and sent.survives_close and _broker.broker().peek(sent.token) is buf:
+            return sent.reduction
+    if sent is None:
+        why = "before it was sent"
+    elif not sent.survives_close:
+        why = "(closing a pool's buffer frees its memory, whatever importers hold)"
+    else:
+        why = "and every importer had let go of it"
+    raise HandoffError(
+        f"this Buffer was closed by its exporter {why}: a closed buffer cannot be sent; send it "
+        "before you close it, and keep it open while it may be sent again (a Dask recomputation "
+        "re-sends a task's arguments)"
+    )
 
 
 def let_go_in_context(buf: Buffer) -> None:
@@ -217,7 +256,48 @@ class Import:
             _releases.put((event, *item))
 
 
-class Imported(MemoryResource):
+class DeviceMemory:
+    """What a memory resource of gpu_serde's reads as by default: device memory, not host
+    memory (an imported pinned pool's buffers say otherwise)."""
+
+    @property
+    def is_device_accessible(self) -> bool:
+        """True: device memory."""
+        return True
+
+    @property
+    def is_host_accessible(self) -> bool:
+        """False: device memory."""
+        return False
+
+
+class MappedDeviceMemory(DeviceMemory):
+    """Device memory mapped from another process (cuda.core's own ``Buffer.is_mapped`` says so
+    only of its own imports)."""
+
+    @property
+    def is_mapped(self) -> bool:
+        """True: the memory is mapped from another process."""
+        return True
+
+
+def local_ordinal(device: bytes, boot: bytes, what: str) -> int:
+    """This process's ordinal of the GPU that device payload ``device`` names, for memory of
+    that GPU exported on host ``boot``; ``what`` names the memory in messages.
+
+    Raises:
+        OtherHostError: the memory was exported on another host.
+        DeviceNotVisibleError: the GPU is not visible in this process.
+    """
+    d = decode_device(device)
+    check_host(boot, f"{what} from host {quoted(d.host)} (pid {d.pid}, GPU {d.canonical_uuid})")
+    ordinal = _inventory.local_ordinal(d.uuid)
+    if ordinal is None:
+        raise not_visible_error(d, _inventory.inventory())
+    return ordinal
+
+
+class Imported(MappedDeviceMemory, MemoryResource):
     """The memory resource of a buffer mapped from another process (``buf.memory_resource`` in
     the receiver): it cannot allocate, and freeing the buffer lets go of its hold.
 
@@ -282,21 +362,6 @@ class Imported(MemoryResource):
     def device_id(self) -> int:
         """This process's ordinal of the GPU the memory is mapped on."""
         return self._device
-
-    @property
-    def is_device_accessible(self) -> bool:
-        """True: device memory (a pinned pool's buffers say otherwise)."""
-        return True
-
-    @property
-    def is_host_accessible(self) -> bool:
-        """False: device memory (a pinned pool's buffers say otherwise)."""
-        return False
-
-    @property
-    def is_mapped(self) -> bool:
-        """True: the memory is mapped from another process."""
-        return True
 
 
 def live_holds() -> int:
@@ -386,6 +451,7 @@ def _after_fork_in_child() -> None:
     global lock, _worker, _releases, _stopped
     _live.clear()
     _origin.clear()
+    _sent.clear()  # the parent's holds, at the parent's broker
     # kept, never dropped: destroying a stream or a queued release's event calls the driver,
     # which a forked child must not do before it execs (it hangs on a lock another thread held)
     _left_by_fork.append((_releases, dict(_unmap_streams)))

@@ -20,10 +20,9 @@ from typing import Any
 from cuda.core import Buffer, Device, DeviceMemoryResource, PinnedMemoryResource
 
 from gpu_serde import compat, wire
-from gpu_serde import inventory as _inventory
 from gpu_serde.device import device_payload
 from gpu_serde.errors import HandoffError, NotIPCEnabledError
-from gpu_serde.format.device import VERSION, decode_device
+from gpu_serde.format.device import VERSION
 from gpu_serde.format.memory import (
     BufferPayload,
     PoolPayload,
@@ -36,8 +35,6 @@ from gpu_serde.memory import broker as _broker
 from gpu_serde.memory import driver as _driver
 from gpu_serde.memory import lifetime
 from gpu_serde.memory.lifetime import Import, Imported
-from gpu_serde.placeholders import not_visible_error
-from gpu_serde.text import quoted
 
 Pool = Any  # DeviceMemoryResource | PinnedMemoryResource (cuda.core has no types: see compat)
 _FIX = {
@@ -125,13 +122,7 @@ def import_pool(p: PoolPayload, wire_payload: object) -> Pool:
             lifetime.check_host(p.boot, "Pinned host memory")
             dev = _driver.any_device()
         else:
-            d = decode_device(p.device)
-            where = f"host {quoted(d.host)} (pid {d.pid}, GPU {d.canonical_uuid})"
-            lifetime.check_host(p.boot, f"GPU memory from {where}")
-            ordinal = _inventory.local_ordinal(d.uuid)
-            if ordinal is None:
-                raise not_visible_error(d, _inventory.inventory())
-            dev = Device(ordinal)
+            dev = Device(lifetime.local_ordinal(p.device, p.boot, "GPU memory"))
         fd = _broker.fetch(p.address, p.token, p.identity)
         try:
             handle = compat.allocation_handle(fd, p.pool)  # owns fd from here on
@@ -183,7 +174,7 @@ def reduce_buffer(buf: Buffer, mr: Pool) -> tuple[Any, ...]:
         token = lifetime.hold(buf, p.block, lifetime.let_go_in_context)
         return token, p._replace(token=token).wire()
 
-    return (wire.buf, (lifetime.send(buf, make, survives_close=False),))
+    return lifetime.send(buf, wire.buf, make, survives_close=False)
 
 
 class ImportedMemory(Imported):

@@ -42,7 +42,7 @@ from gpu_serde.memory import lifetime
 from gpu_serde.memory.driver import check, export_here
 from gpu_serde.memory.lifetime import Import, Imported
 from gpu_serde.placeholders import not_visible_error
-from gpu_serde.text import quoted, safe
+from gpu_serde.text import safe
 
 #: Option fields sent as the string values of cuda.core's enums (or None), in payload order.
 ENUM_FIELDS = {
@@ -289,7 +289,7 @@ def reduce_buffer(buf: Buffer, mr: VirtualMemoryResource) -> tuple[Any, ...]:
         return hold, p._replace(hold=hold).wire()
 
     # closed, it is still mapped in its importers and served by its descriptor while held
-    return (wire.vbuf, (lifetime.send(buf, make, survives_close=True),))
+    return lifetime.send(buf, wire.vbuf, make, survives_close=True)
 
 
 def _access(mr: VirtualMemoryResource) -> list[Any]:
@@ -333,10 +333,7 @@ def rebuild_buffer(payload: object) -> Buffer:
     """
     p = decode_vbuf(payload)
     assert p.resource.device is not None  # decode_vbuf checked it
-    d = decode_device(p.resource.device)
-    lifetime.check_host(
-        p.boot, f"GPU memory from host {quoted(d.host)} (pid {d.pid}, GPU {d.canonical_uuid})"
-    )
+    lifetime.local_ordinal(p.resource.device, p.boot, "GPU memory")
     if _broker.is_own(p.address):
         held = _broker.broker().peek(p.hold)
         if held is not None:

@@ -243,7 +243,7 @@ def _start_closer() -> None:
             _closer.start()
 
 
-class ArenaMemoryResource(MemoryResource):
+class ArenaMemoryResource(lifetime.DeviceMemory, MemoryResource):
     """A memory resource whose buffers reach other processes with no driver call that grows with
     their size: one region of device memory, mapped once per receiving process, sub-allocated.
 
@@ -356,16 +356,6 @@ class ArenaMemoryResource(MemoryResource):
         return int(self._r.ordinal)
 
     @property
-    def is_device_accessible(self) -> bool:
-        """True: device memory."""
-        return True
-
-    @property
-    def is_host_accessible(self) -> bool:
-        """False: device memory."""
-        return False
-
-    @property
     def is_managed(self) -> bool:
         """False: not managed memory."""
         return False
@@ -438,7 +428,6 @@ def reduce_buffer(buf: Buffer, mr: ArenaMemoryResource) -> tuple[Any, ...]:
         return token, p._replace(hold=token).wire()
 
     # a block closed while held is freed only once its importers let go: it can be sent again
-    payload = lifetime.send(buf, make, survives_close=True)
-    if buf.handle:
-        r.record(ptr)  # the event follows the work on the buffer's stream (a closed one: done)
-    return (wire.abuf, (payload,))
+    reduction = lifetime.send(buf, wire.abuf, make, survives_close=True)
+    r.record(ptr)  # the event follows the work on the buffer's stream
+    return reduction

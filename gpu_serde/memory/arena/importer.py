@@ -20,18 +20,14 @@ from typing import Any
 
 from cuda.core import Buffer, Device, MemoryResource, Stream
 
-from gpu_serde import inventory as _inventory
 from gpu_serde import wire
 from gpu_serde.errors import HandoffError, TokenRefusedError
-from gpu_serde.format.device import decode_device
 from gpu_serde.format.memory import RegionPayload, decode_abuf, decode_region
 from gpu_serde.memory import broker as _broker
 from gpu_serde.memory import driver as _driver
 from gpu_serde.memory import lifetime
 from gpu_serde.memory.arena.exporter import ArenaMemoryResource, exported, human
-from gpu_serde.memory.lifetime import Import, Imported
-from gpu_serde.placeholders import not_visible_error
-from gpu_serde.text import quoted
+from gpu_serde.memory.lifetime import Import, Imported, MappedDeviceMemory
 
 
 @dataclass(frozen=True)
@@ -89,12 +85,7 @@ def attach(p: RegionPayload, wire_payload: tuple[Any, ...]) -> Region:
 
 
 def _map_region(p: RegionPayload, wire_payload: tuple[Any, ...]) -> Region:
-    d = decode_device(p.device)
-    where = f"host {quoted(d.host)} (pid {d.pid}, GPU {d.canonical_uuid})"
-    lifetime.check_host(p.boot, f"GPU memory (an ArenaMemoryResource) from {where}")
-    ordinal = _inventory.local_ordinal(d.uuid)
-    if ordinal is None:
-        raise not_visible_error(d, _inventory.inventory())
+    ordinal = lifetime.local_ordinal(p.device, p.boot, "GPU memory (an ArenaMemoryResource)")
     fd = _broker.fetch(p.address, p.token, p.identity)
     try:
         with _driver.context(ordinal):
@@ -115,7 +106,7 @@ def attached() -> int:
     return len(_attached)
 
 
-class ImportedArena(MemoryResource):
+class ImportedArena(MappedDeviceMemory, MemoryResource):
     """An arena's region as mapped in a receiving process: what ``gpu_serde.wire.arena`` gives
     there, and the ``.arena`` of every buffer received from it. It reads like the arena (device,
     size) and cannot allocate. The region stays mapped for the process's life."""
@@ -143,21 +134,6 @@ class ImportedArena(MemoryResource):
     def size(self) -> int:
         """The region's size in bytes."""
         return self._region.size
-
-    @property
-    def is_device_accessible(self) -> bool:
-        """True: device memory."""
-        return True
-
-    @property
-    def is_host_accessible(self) -> bool:
-        """False: device memory."""
-        return False
-
-    @property
-    def is_mapped(self) -> bool:
-        """True: the memory is mapped from another process."""
-        return True
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (wire.arena, (self._region.wire,))  # travels on as it came

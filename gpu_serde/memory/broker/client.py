@@ -276,9 +276,7 @@ def _mismatch(address: str, what: str) -> HandoffError:
     )
 
 
-def acquire(
-    address: str, token: bytes, block: bytes = NO_CHECK, *, timeout: float = 1.0
-) -> None:
+def acquire(address: str, token: bytes, block: bytes = NO_CHECK, *, timeout: float = 1.0) -> None:
     """Tell the exporter that this process now uses the block held under ``token``. The hold is
     this process's: only it can release it (:func:`release`), and the exporter drops it when
     this process's connection to it closes (the process exits or dies).
@@ -321,9 +319,7 @@ def release(address: str, token: bytes, *, timeout: float = 1.0, gone: bool = Fa
     return msg == OK
 
 
-def fetch(
-    address: str, token: bytes, identity: bytes = NO_CHECK, *, timeout: float = 1.0
-) -> int:
+def fetch(address: str, token: bytes, identity: bytes = NO_CHECK, *, timeout: float = 1.0) -> int:
     """Ask the broker at ``address`` for the descriptor behind ``token``; the caller owns (and
     closes) the returned descriptor.
 
