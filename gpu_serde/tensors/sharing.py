@@ -38,7 +38,7 @@ from gpu_serde.memory import buffers, lifetime, unsent
 from gpu_serde.memory import driver as _driver
 from gpu_serde.memory.arena import ArenaMemoryResource
 from gpu_serde.memory.arena import importer as arena_importer
-from gpu_serde.tensors.common import NAMES, local_ordinal, need
+from gpu_serde.tensors.common import NAMES, need
 
 #: Bytes of each arena :func:`share` and :func:`~gpu_serde.tensors.empty` make on a GPU when
 #: none was given (more are made as they fill; a larger object gets one of its own size).
@@ -296,7 +296,8 @@ def rebuild_shared(payload: object) -> Any:
             (``OtherHostError``, ``ExporterGoneError``, ``TokenRefusedError``).
     """
     p = decode_tshr(payload)
-    local_ordinal(p.block.region.device, NAMES[p.meta.library])  # before mapping anything
+    region = p.block.region  # the host and the GPU checked before anything is mapped
+    lifetime.local_ordinal(region.device, region.boot, f"a shared {NAMES[p.meta.library]}")
     m = module(p.meta.library)
     block = payload[2]  # type: ignore[index]  # decode checked: a tuple
     buf = arena_importer.rebuild_buffer(block)

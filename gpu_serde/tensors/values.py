@@ -39,9 +39,8 @@ def rebuild_ipc(payload: object) -> Any:
             or could not open it.
     """
     p = decode_tipc(payload)
-    lifetime.check_host(p.boot, "a torch CUDA tensor sent through torch.multiprocessing")
-    ordinal = local_ordinal(p.device, "torch.Tensor")
-    return module("torch").from_ipc(p, ordinal)
+    what = "a torch CUDA tensor sent through torch.multiprocessing"
+    return module("torch").from_ipc(p, lifetime.local_ordinal(p.device, p.boot, what))
 
 
 def value_kind(payload: object) -> str:
