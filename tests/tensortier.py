@@ -1,5 +1,5 @@
-"""What the tensor tests of the GPU tier share: the tensors they send, a long-lived spawned
-receiver with its own CUDA_VISIBLE_DEVICES, and the jobs it runs (each reports what arrived: its
+"""What the tensor tests of the GPU tier share: the tensors they send, and the jobs that
+receivers run (memtier's spawned child with its own CUDA_VISIBLE_DEVICES, Ray and Dask workers) (each reports what arrived: its
 type, dtype, layout, GPU by UUID and, as a pickled CPU copy, its values).
 
 Imported by name in spawned children, Ray workers (shipped by value) and Dask workers.
@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import multiprocessing
 import os
 import pickle
+from collections.abc import Iterator
 from typing import Any
+
+import memtier
 
 KEPT: dict[str, Any] = {}  # what a receiver keeps between jobs
 
@@ -167,43 +169,9 @@ def drop(_: Any) -> bool:
     return True
 
 
-def serve(inbox: Any, outbox: Any) -> None:
-    """A long-lived receiver: runs each job on its argument and answers (an exception by name)."""
-    import gpu_serde
-
-    gpu_serde.install()
-    import torch  # noqa: F401  (the receiver uses torch, as a user's would)
-
-    while (item := inbox.get(timeout=300)) is not None:
-        job, arg = item
-        try:
-            outbox.put(job(arg))
-        except Exception as exc:
-            outbox.put({"error": type(exc).__name__, "message": str(exc)})
-        del item, arg
-        gc.collect()
-
-
 @contextlib.contextmanager
-def child(monkeypatch: Any, uuid: str, **env: str) -> Any:
-    """A spawned receiver that sees only the GPU ``uuid`` (its ordinal 0): yields ``run(job,
-    arg)``, which sends the job and waits for its answer."""
-    ctx = multiprocessing.get_context("spawn")
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", uuid)  # the UUID form, not "0"
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    inbox, outbox = ctx.Queue(), ctx.Queue()
-    process = ctx.Process(target=serve, args=(inbox, outbox))
-    process.start()
-
-    def run(job: Any, arg: Any) -> Any:
-        inbox.put((job, arg))
-        return outbox.get(timeout=300)
-
-    try:
-        yield run
-    finally:
-        inbox.put(None)
-        process.join(60)
-        if process.is_alive():
-            process.kill()
+def child(monkeypatch: Any, uuid: str, **env: str) -> Iterator[Any]:
+    """memtier's spawned receiver that sees only the GPU ``uuid`` (its ordinal 0): yields its
+    ``run(job, arg)``, which sends the job and waits for its answer."""
+    with memtier.child(monkeypatch, uuid, **env) as receiver:
+        yield receiver.run

@@ -20,7 +20,7 @@ import sys
 import warnings
 
 import pytest
-from memtier import ray_by_value
+from memtier import Tier, dask_on, ray_by_value, ray_on
 from tensortier import (
     cases,
     child,
@@ -388,18 +388,9 @@ def test_a_cupy_array_for_a_process_that_sees_no_gpu_is_device_not_visible_error
 
 @pytest.fixture(scope="module")
 def ray_session(real_gpu):
-    import ray
-
-    import gpu_serde.ray
-
-    ray_by_value(__name__, "tensortier")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("CUDA_VISIBLE_DEVICES", real_gpu[-1].uuid)  # the node's one GPU is the last
-        gpu_serde.ray.init(
-            address="local", num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False
-        )
-    yield ray
-    ray.shutdown()
+    ray_by_value("tensortier")
+    with ray_on(Tier("real", real_gpu, 1 << 30), __name__) as ray:
+        yield ray
 
 
 def test_ray_actor_and_task_receive_cuda_tensors_by_value_and_shared(ray_session, gpu):
@@ -499,21 +490,7 @@ def test_ray_direct_transport_hands_tensors_actor_to_actor_by_uuid(ray_session, 
 
 @pytest.fixture(scope="module")
 def dask_client(real_gpu):
-    from distributed import Client, LocalCluster
-
-    import gpu_serde.dask
-
-    with (
-        LocalCluster(
-            n_workers=2,
-            threads_per_worker=1,
-            host="127.0.0.1",
-            dashboard_address=":0",
-            env={"CUDA_VISIBLE_DEVICES": real_gpu[-1].uuid},
-        ) as cluster,
-        Client(cluster) as client,
-    ):
-        gpu_serde.dask.register(client)
+    with dask_on(Tier("real", real_gpu, 1 << 30), n_workers=2) as client:
         yield client
 
 
