@@ -11,7 +11,11 @@ Paths (what crosses from sender to receiver):
   threshold = its size), today's gpu_serde path;
 - ``torch``: a torch CUDA tensor, through whatever the engine does by default (Ray's object store,
   torch.multiprocessing's CUDA IPC), or Ray Direct Transport ``cuda_ipc`` when the caller asks;
-- ``cupy``: a CuPy array (Dask's default for GPU arrays: distributed's serialization).
+- ``cupy``: a CuPy array (Dask's default for GPU arrays: distributed's serialization);
+- ``share``: a torch tensor in the sender's arena, wrapped by ``gpu_serde.share`` (no copy);
+- ``arena-tensor``: the same tensor, not wrapped (what a Ray Direct Transport hands over);
+- ``torch-own``: a torch CUDA tensor pickled by torch's own reduction, as if gpu_serde were not
+  installed (Ray's object store; through multiprocessing, torch.multiprocessing's CUDA IPC).
 
 Every object carries a marker: its first 4-byte word is set (by the sender, before it sends) to a
 value the caller picks, and the receiver reads that word back with ``cuMemcpyDtoH`` and returns it.
@@ -135,10 +139,40 @@ def make_object(path: str, size: int, value: int) -> Any:
         obj = cupy.empty(size, dtype=cupy.uint8)
         _mark(obj.data.ptr, value)
         return obj
+    elif path in ("share", "arena-tensor"):
+        import torch
+
+        import gpu_serde
+
+        arena = _memory("arena")
+        t = _retry(lambda: gpu_serde.tensors.empty((size,), torch.uint8, 0, arena=arena))
+        _mark(t.data_ptr(), value)
+        return gpu_serde.share(t) if path == "share" else t
+    elif path == "torch-own":
+        return TorchOwn(make_object("torch", size, value))
     else:
         raise ValueError(f"unknown path {path!r}")
     _mark(int(obj.handle), value)
     return obj
+
+
+class TorchOwn:
+    """A torch tensor that pickles as torch itself reduces it (gpu_serde registers its own
+    reducers for CUDA tensors): torch's CUDA IPC through multiprocessing, torch's by-value
+    pickling elsewhere. The receiver gets the tensor."""
+
+    def __init__(self, tensor: Any) -> None:
+        self.tensor = tensor
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        import threading
+
+        # multiprocessing pickles in a queue's feeder thread: torch.multiprocessing's reducer
+        if threading.current_thread().name.startswith("QueueFeederThread"):
+            from torch.multiprocessing import reductions
+
+            return reductions.reduce_tensor(self.tensor)
+        return self.tensor.__reduce_ex__(protocol)
 
 
 def _pointer(obj: Any) -> tuple[int, Any]:

@@ -6,6 +6,8 @@ Public names::
     visible_devices()                     the GPUs this process sees (DeviceInfo list)
     resolve(obj)                          a received object, or its typed error
     portable(buf)                         a Buffer that reaches any host (mapped, or a copy)
+    share(x)                              a CUDA torch tensor or CuPy array, no copy on one host
+                                          (Shared; SharedCopyWarning; more in gpu_serde.tensors)
     DeviceInfo, UnresolvedDevice, UnresolvedObject, canonical_uuid
     DeviceNotVisibleError, PayloadError, CompatibilityError, PlacementError
     HandoffError and its kinds: OtherHostError, ExporterGoneError, TokenRefusedError,
@@ -17,7 +19,8 @@ CPU-only tests in :mod:`gpu_serde.testing`; the command line in :mod:`gpu_serde.
 package's folders: the flat core here (``wire`` and ``errors``, which pickles name; ``dispatch``,
 the table of handled types; ``registry``, ``placeholders``, ``device``, ``inventory``,
 ``identity``, ``hostid``, ``text``, ``compat``, ``routing``), ``format/`` (the payloads),
-``memory/`` (GPU memory across processes), ``ray/``, ``dask/``, ``tools/``, ``testing/``.
+``memory/`` (GPU memory across processes), ``tensors/`` (torch tensors and CuPy arrays),
+``ray/``, ``dask/``, ``tools/``, ``testing/``.
 ``docs/how-it-works.md`` shows the path of a Device and of a Buffer.
 """
 
@@ -42,6 +45,7 @@ from gpu_serde.memory.arena import ArenaMemoryResource
 from gpu_serde.memory.portable import PortableBuffer, portable
 from gpu_serde.placeholders import UnresolvedDevice, UnresolvedObject, resolve
 from gpu_serde.registry import install, uninstall
+from gpu_serde.tensors import Shared, SharedCopyWarning, share
 
 __all__ = [
     "ArenaFullError",
@@ -57,6 +61,8 @@ __all__ = [
     "PayloadError",
     "PlacementError",
     "PortableBuffer",
+    "Shared",
+    "SharedCopyWarning",
     "TokenRefusedError",
     "UnresolvedDevice",
     "UnresolvedObject",
@@ -65,6 +71,7 @@ __all__ = [
     "install",
     "portable",
     "resolve",
+    "share",
     "uninstall",
     "visible_devices",
 ]

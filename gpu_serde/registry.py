@@ -1,6 +1,6 @@
 """The registry: which type pickles through which reducer, and whether gpu_serde is installed.
 
-It knows no cuda.core type. The type modules hand it their reducers (``handled.py`` lists them
+It knows no cuda.core type. The type modules hand it their reducers (``dispatch.py`` lists them
 all); :func:`install` registers each with :mod:`copyreg` (stdlib pickle, cloudpickle, Ray, Dask)
 and with :mod:`multiprocessing`'s ``ForkingPickler`` (replacing cuda.core's own ordinal-based
 reducers while installed), and :func:`uninstall` puts back what was there before.
@@ -24,6 +24,7 @@ Reducer = Callable[[Any], tuple[Any, ...]]
 
 _lock = threading.Lock()
 _reducers: dict[type, Reducer] = {}
+_mp_reducers: dict[type, Reducer] = {}  # where multiprocessing's table takes another reducer
 _saved: dict[tuple[str, type], Reducer | None] = {}
 _installed = False
 
@@ -40,13 +41,17 @@ class Flags:
 flags = Flags()
 
 
-def register(cls: type, reducer: Reducer) -> None:
-    """Name ``reducer`` as the way ``cls`` pickles while gpu_serde is installed.
+def register(cls: type, reducer: Reducer, mp: Reducer | None = None) -> None:
+    """Name ``reducer`` as the way ``cls`` pickles while gpu_serde is installed (``mp``, if
+    given, in ``multiprocessing``'s table instead: ``torch.multiprocessing`` shares CUDA tensors
+    without a copy there, where every other pickler carries them by value).
 
     Takes effect at the next :func:`install` (or at once, if installed already).
     """
     with _lock:
         _reducers[cls] = reducer
+        if mp is not None:
+            _mp_reducers[cls] = mp
         if _installed:
             _apply(cls, reducer)
 
@@ -64,7 +69,14 @@ def _tables() -> dict[str, dict[type, Any]]:
 def _apply(cls: type, reducer: Reducer) -> None:
     for name, table in _tables().items():
         _saved.setdefault((name, cls), table.get(cls))
-        table[cls] = reducer
+        table[cls] = _mp_reducers.get(cls, reducer) if name == "mp" else reducer
+
+
+def saved(table: str, cls: type) -> Reducer | None:
+    """The reducer ``cls`` had in ``table`` (``"copyreg"`` or ``"mp"``) before gpu_serde was
+    installed (None: none, or not installed)."""
+    with _lock:
+        return _saved.get((table, cls))
 
 
 def install(strict: bool = False) -> None:

@@ -81,3 +81,22 @@ def unsent(*payload: Any) -> Any:
     """An object its sender could not send (a Dask serializer cannot raise without losing the
     receiver): an ``UnresolvedObject`` that raises the sender's typed error when used."""
     return rebuild(unsent, payload)
+
+
+def tval(*payload: Any) -> Any:
+    """A torch CUDA tensor or a CuPy array by value (its bytes): a new one on the same GPU, found
+    by UUID, or an ``UnresolvedObject`` (``DeviceNotVisibleError`` where that GPU is not
+    visible)."""
+    return rebuild(tval, payload)
+
+
+def tshr(*payload: Any) -> Any:
+    """A torch tensor or CuPy array shared without a copy (``gpu_serde.share``): the exporter's
+    arena block mapped here, or an ``UnresolvedObject``."""
+    return rebuild(tshr, payload)
+
+
+def tipc(*payload: Any) -> Any:
+    """A torch CUDA tensor through ``torch.multiprocessing``: torch's own CUDA IPC, opened on
+    the same GPU found by UUID, or an ``UnresolvedObject``."""
+    return rebuild(tipc, payload)

@@ -1,10 +1,16 @@
 """Every public name says what it does."""
 
+import ast
 import importlib
+import importlib.util
 import inspect
 import pkgutil
+from pathlib import Path
 
 import pytest
+
+#: modules that import an optional library: where it is missing, their source is read instead
+OPTIONAL = {"gpu_serde.tensors.torch": "torch", "gpu_serde.tensors.cupy": "cupy"}
 
 
 def _modules() -> list[str]:
@@ -34,8 +40,25 @@ def public_names(module):
         yield name, obj
 
 
+def undocumented_in_source(module_name: str) -> list[str]:
+    """The public top-level functions and classes of a module's source without a docstring."""
+    spec = importlib.util.find_spec(module_name)
+    tree = ast.parse(Path(spec.origin).read_text())
+    assert ast.get_docstring(tree)
+    defs = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    return [
+        node.name
+        for node in tree.body
+        if isinstance(node, defs) and not node.name.startswith("_") and not ast.get_docstring(node)
+    ]
+
+
 @pytest.mark.parametrize("module_name", MODULES)
 def test_every_public_name_has_a_docstring(module_name):
+    library = OPTIONAL.get(module_name)
+    if library is not None and importlib.util.find_spec(library) is None:
+        assert undocumented_in_source(module_name) == []  # without importing it
+        return
     module = importlib.import_module(module_name)
     assert module.__doc__
     missing = [name for name, obj in public_names(module) if not inspect.getdoc(obj)]
@@ -46,4 +69,5 @@ def test_the_docstring_check_sees_the_whole_package():
     assert {"gpu_serde.memory.lifetime", "gpu_serde.dask.hosts", "gpu_serde.ray.transport"} <= set(
         MODULES
     )
-    assert sum(len(list(public_names(importlib.import_module(m)))) for m in MODULES) > 100
+    importable = [m for m in MODULES if m not in OPTIONAL]
+    assert sum(len(list(public_names(importlib.import_module(m)))) for m in importable) > 100

@@ -28,6 +28,9 @@ KINDS = {
     "buffer": "UnresolvedObject",
     "vmm_resource": "UnresolvedObject",
     "vmm_buffer": "UnresolvedObject",
+    "tensor_value": "UnresolvedObject",  # its GPU is not visible: DeviceNotVisibleError
+    "tensor_shared": "UnresolvedObject",
+    "tensor_ipc": "UnresolvedObject",  # from another host: OtherHostError
 }
 
 

@@ -41,6 +41,9 @@ RECONSTRUCTORS = [
     wire.unsent,
     wire.arena,
     wire.abuf,
+    wire.tval,
+    wire.tshr,
+    wire.tipc,
 ]
 TYPED = (PayloadError, DeviceNotVisibleError, HandoffError)
 
@@ -81,7 +84,7 @@ def test_strict_mode_raises_the_typed_error_at_unpickling(simulated_gpus, fn):
         gpu_serde.uninstall()
 
 
-# --- the fuzz: 100,000 mutated payloads through every reconstructor (arena and abuf too) --------------------------
+# --- the fuzz: 100,000 mutated payloads through every reconstructor (arena, abuf and the tensor kinds too) ---------
 
 HOSTILE = [
     None,
@@ -122,6 +125,7 @@ def _valid(simulated_gpus) -> dict:
     opts = options_payload(VirtualMemoryResourceOptions(peers=(0,))).wire()
     pool = (1, dev, bytes(16), "@gpu_serde-fuzz", bytes(16), bytes(range(16)))
     region = (1, dev, bytes(16), "@gpu_serde-fuzz", bytes(16), bytes(range(16)), 1 << 22, bytes(64))
+    meta = ("torch", "Tensor", "float32", 4, (4, 4), (4, 1), 0, False)
     return {
         wire.dev: dev,
         wire.pool: pool,
@@ -134,6 +138,9 @@ def _valid(simulated_gpus) -> dict:
         wire.unsent: (1, "Buffer", "HostCopyError", "it did not fit"),
         wire.arena: region,
         wire.abuf: (1, region, 8192, 4096, bytes(16)),
+        wire.tval: (1, dev, meta, 0, 64, bytes(64)),
+        wire.tshr: (1, meta, (1, region, 8192, 4096, bytes(16))),
+        wire.tipc: (1, dev, host_id(), meta, bytes(64), 64, 0, b"/torch_1", 0, bytes(64), True),
     }
 
 

@@ -31,7 +31,7 @@ from typing import Any
 import ray
 
 from gpu_serde.inventory import set_role
-from gpu_serde.ray import transport
+from gpu_serde.ray import tensor_transport, transport
 from gpu_serde.registry import ensure_installed
 
 #: The ``worker_process_setup_hook`` that installs gpu_serde in a Ray worker.
@@ -60,6 +60,7 @@ def setup_worker() -> None:
     """
     ensure_installed("Ray")
     transport.register()  # Buffers through Ray Direct Transport (Ray 2.55 and later)
+    tensor_transport.register()  # torch tensors too, once torch is imported
     try:
         node = ray.get_runtime_context().get_node_id()
     except Exception:  # the role is only for messages
@@ -124,6 +125,7 @@ def _install_driver() -> None:
     ensure_installed("Ray")
     set_role("ray driver")
     transport.register()
+    tensor_transport.register()
 
 
 def runtime_env_hook(env: dict[str, Any] | None) -> dict[str, Any]:

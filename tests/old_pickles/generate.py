@@ -54,6 +54,13 @@ def objects() -> dict[str, object]:
     options_payload = copyreg.dispatch_table[type(options)](options)[1][0]
     vmm = (1, dev_payload, options_payload)
     vbuf = (1, vmm, BOOT, ADDRESS, TOKEN, 2 << 20, bytes(range(48, 64)))
+    # the tensor kinds (torch tensors and CuPy arrays: gpu_serde.tensors), added before 0.1.0
+    meta = ("torch", "Parameter", "bfloat16", 2, (3, 4), (1, 3), 2, True)
+    cupy_meta = ("cupy", "ndarray", "<f4", 4, (4, 3), (-3, 1), 9, False)
+    tval = (1, dev_payload, meta, 2, 28, bytes(range(28)))
+    region = (1, dev_payload, BOOT, ADDRESS, TOKEN, POOL_ID, 4 << 20, bytes(range(64)))
+    tshr = (1, cupy_meta, (1, region, 1 << 20, 4096, bytes(range(32, 48))))
+    tipc = (1, dev_payload, BOOT, meta, bytes(range(64)), 28, 512, b"/torch_42_7_0", 3, None, True)
     return {
         "device": device,
         "options": options,
@@ -64,6 +71,9 @@ def objects() -> dict[str, object]:
         "vmm_resource": Reduced((wire.vmm, (vmm,))),
         "vmm_buffer": Reduced((wire.vbuf, (vbuf,))),
         "placeholder": pickle.loads(pickle.dumps(device)),  # re-pickled as it came
+        "tensor_value": Reduced((wire.tval, (tval,))),
+        "tensor_shared": Reduced((wire.tshr, (tshr,))),
+        "tensor_ipc": Reduced((wire.tipc, (tipc,))),
     }
 
 

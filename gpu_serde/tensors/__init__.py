@@ -1,0 +1,166 @@
+"""torch tensors and CuPy arrays by GPU UUID (docs/tensors.md).
+
+Importing gpu_serde imports neither torch nor CuPy: :func:`watch` (run with gpu_serde's dispatch
+table, :data:`gpu_serde.dispatch.LAZY_TYPES`) registers their reducers when the user imports them
+(:mod:`~gpu_serde.tensors.lazy`), as distributed's ``protocol/`` registers its per-library
+serializers lazily. Then, while gpu_serde
+is installed:
+
+- a CUDA ``torch.Tensor`` or ``nn.Parameter``, or a ``cupy.ndarray``, pickled by pickle,
+  cloudpickle, Ray or Dask travels by value with its GPU's UUID, and arrives on the same physical
+  GPU (a placeholder that raises ``DeviceNotVisibleError`` where that GPU is not visible);
+- through ``torch.multiprocessing``, a CUDA tensor travels as torch's own CUDA IPC handle with
+  the device by UUID;
+- :func:`share` makes one travel without a copy to processes of the same host.
+
+Public names::
+
+    share(x) -> Shared                     (also gpu_serde.share) no copy on one host
+    empty(shape, dtype=None, device=None, *, arena=None)    a torch tensor in gpu_serde memory
+    to_arena(module, arena=None)           a model's parameters and buffers moved there, once
+    cupy_allocator(arena=None)             CuPy arrays allocated there (cupy.cuda.using_allocator)
+    place(x, device)                       what arrived by value, on the device you name
+    Shared, SharedCopyWarning
+
+The modules: :mod:`~gpu_serde.tensors.sharing` (``share``, its reduce and rebuild),
+:mod:`~gpu_serde.tensors.values` (the torch-free halves of the by-value and
+``torch.multiprocessing`` rebuilds), :mod:`~gpu_serde.tensors.torch` and
+:mod:`~gpu_serde.tensors.cupy` (each library's reducers and its half of every rebuild, imported
+only once the library is), :mod:`~gpu_serde.tensors.common`, :mod:`~gpu_serde.tensors.lazy`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from types import ModuleType
+from typing import Any
+
+from gpu_serde import registry
+from gpu_serde.memory.arena import ArenaMemoryResource
+from gpu_serde.tensors.lazy import when_imported
+from gpu_serde.tensors.sharing import Shared, SharedCopyWarning, allocate, module, share
+from gpu_serde.tensors.values import place
+
+__all__ = [
+    "Shared",
+    "SharedCopyWarning",
+    "cupy_allocator",
+    "empty",
+    "place",
+    "share",
+    "to_arena",
+]
+
+
+_watching = False
+
+
+def watch(types: dict[str, tuple[str, str, str]]) -> None:
+    """Register each type of ``types`` (``"library.Type"`` -> (reducers' module, reducer,
+    ``multiprocessing`` reducer): :data:`gpu_serde.dispatch.LAZY_TYPES`) with gpu_serde's table
+    once its library is imported (now, for one imported already). Idempotent; imports nothing.
+    """
+    global _watching
+    if _watching:
+        return
+    _watching = True
+    libraries: dict[str, list[tuple[str, tuple[str, str, str]]]] = {}
+    for name, how in types.items():
+        libraries.setdefault(name.partition(".")[0], []).append((name, how))
+    for library, entries in libraries.items():
+        when_imported(library, functools.partial(_register, entries))
+
+
+def _register(entries: list[tuple[str, tuple[str, str, str]]], library: ModuleType) -> None:
+    """Register the reducers of ``entries`` for their types (``library`` is imported)."""
+    for name, (where, reducer, mp) in entries:
+        cls: Any = library
+        for part in name.split(".")[1:]:
+            cls = getattr(cls, part)
+        reducers = importlib.import_module(where)
+        registry.register(cls, getattr(reducers, reducer), mp=getattr(reducers, mp))
+
+
+def _ordinal(device: Any) -> int:
+    import torch
+
+    if device is None:
+        return int(torch.cuda.current_device())
+    if isinstance(device, int):
+        return device
+    if hasattr(device, "device_id"):  # a cuda.core Device
+        return int(device.device_id)
+    d = torch.device(device)
+    if d.type != "cuda":
+        raise ValueError(f"gpu_serde memory is GPU memory, not {d.type}")
+    return int(torch.cuda.current_device() if d.index is None else d.index)
+
+
+def empty(
+    shape: Any, dtype: Any = None, device: Any = None, *, arena: ArenaMemoryResource | None = None
+) -> Any:
+    """A new contiguous torch tensor (uninitialised, like ``torch.empty``) in gpu_serde memory:
+    :func:`share` sends it without a copy, however often.
+
+    Args:
+        shape: its shape (a tuple or ``torch.Size``).
+        dtype: a ``torch.dtype`` (default: torch's default dtype).
+        device: the GPU (a ``torch.device``, ``"cuda:1"``, an ordinal or a cuda.core
+            ``Device``; default: torch's current device).
+        arena: the :class:`~gpu_serde.ArenaMemoryResource` to allocate from (it must be on that
+            GPU); default: arenas gpu_serde makes for sharing (1 GiB each, or the tensor's size
+            if larger; ``GPU_SERDE_SHARE_ARENA_MIB`` sets it).
+
+    Raises:
+        ArenaFullError: ``arena`` has no free block that large.
+        ValueError: ``device`` is not a GPU, or ``arena`` is on another GPU.
+    """
+    m = module("torch")
+    ordinal = _ordinal(device)
+    buf = allocate(ordinal, m.nbytes_of(shape, dtype), arena)
+    return m.empty(shape, dtype, buf, ordinal)
+
+
+def to_arena(model: Any, arena: ArenaMemoryResource | None = None) -> Any:
+    """Move a torch module's CUDA parameters and buffers (or one CUDA tensor) into gpu_serde
+    memory: one device-to-device copy each, now; afterwards :func:`share` sends them without a
+    copy, step after step (the weight-sync recipe in docs/tensors.md). Parameters stay the same
+    ``nn.Parameter`` objects (their ``.data`` moves), so optimizers keep working.
+
+    Returns:
+        ``model`` (for a module), or the new tensor (for a tensor).
+
+    Raises:
+        ArenaFullError: ``arena`` has no room for them.
+    """
+    import torch
+
+    def moved(t: Any) -> Any:
+        new = empty(t.shape, t.dtype, t.device, arena=arena)
+        new.copy_(t.detach())
+        return new
+
+    if isinstance(model, torch.Tensor):
+        return moved(model) if model.is_cuda else model
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_cuda:
+                p.data = moved(p.data)
+        for owner in model.modules():
+            for name, b in list(owner.named_buffers(recurse=False)):
+                if b is not None and b.is_cuda:
+                    setattr(owner, name, moved(b))
+    return model
+
+
+def cupy_allocator(arena: ArenaMemoryResource | None = None) -> Any:
+    """A CuPy allocator that puts new arrays in gpu_serde memory, for
+    ``cupy.cuda.using_allocator(gpu_serde.tensors.cupy_allocator())`` (one block) or
+    ``cupy.cuda.set_allocator(...)``: :func:`share` then sends those arrays without a copy.
+
+    Args:
+        arena: the :class:`~gpu_serde.ArenaMemoryResource` to allocate from (on the current
+            device); default: arenas gpu_serde makes for sharing.
+    """
+    return module("cupy").allocator(arena)

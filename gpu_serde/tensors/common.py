@@ -1,0 +1,100 @@
+"""What the torch and CuPy modules share: finding the receiver's GPU by UUID, carrying bytes out
+of band, and the memory window a tensor is built over. Imports neither torch nor CuPy.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from typing import Any
+
+from gpu_serde import inventory as _inventory
+from gpu_serde.errors import HandoffError
+from gpu_serde.format.device import decode_device, raw_uuid
+from gpu_serde.placeholders import not_visible_error
+
+#: How a library names a tensor or array in messages.
+NAMES = {"torch": "torch.Tensor", "cupy": "cupy.ndarray"}
+
+
+def local_ordinal(device: bytes, what: str) -> int:
+    """This process's ordinal of the GPU a validated device payload names.
+
+    Raises:
+        DeviceNotVisibleError: this process does not see that GPU (``what`` names the object).
+    """
+    ordinal = _inventory.local_ordinal(raw_uuid(device))
+    if ordinal is None:
+        raise not_visible_error(decode_device(device), _inventory.inventory(), f"the {what}'s GPU")
+    return ordinal
+
+
+def need(library: str) -> Any:
+    """The module ``library`` (``"torch"`` or ``"cupy"``), imported: a tensor of it arrived.
+
+    Raises:
+        HandoffError: it is not installed in this process.
+    """
+    module = sys.modules.get(library)
+    if module is not None:
+        return module
+    try:
+        return __import__(library)
+    except Exception as exc:
+        raise HandoffError(
+            f"a {NAMES.get(library, library)} arrived in a process that cannot import {library} "
+            f"({type(exc).__name__}: {exc}): install {library} here, or receive it where it is"
+        ) from None
+
+
+class Carried:
+    """Bytes a payload carries, pickled out of band where the pickler takes one (protocol 5:
+    Ray's object store, Dask's frames), in band otherwise. Unpickles as a ``PickleBuffer`` (no
+    copy: a view of what the engine delivered) or ``bytes``, which re-pickle the same way."""
+
+    __slots__ = ("view",)
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        if int(protocol) >= 5:
+            return (pickle.PickleBuffer, (pickle.PickleBuffer(self.view),))
+        return (bytes, (self.view.tobytes(),))
+
+
+class Window:
+    """``nbytes`` of device memory at ``ptr`` as a ``__cuda_array_interface__`` of bytes: what a
+    tensor or array is built over without a copy. Keeps ``owner`` (the Buffer) alive as long as
+    the tensor built over it lives."""
+
+    __slots__ = ("nbytes", "owner", "ptr")
+
+    def __init__(self, owner: Any, ptr: int, nbytes: int) -> None:
+        self.owner, self.ptr, self.nbytes = owner, ptr, nbytes
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {
+            "shape": (self.nbytes,),
+            "typestr": "|u1",
+            "data": (self.ptr, False),
+            "strides": None,
+            "version": 3,
+        }
+
+
+def torch_pickles() -> bool:
+    """True when the code pickling right now is torch's own (``torch.save``, ``torch.package``,
+    torch.distributed's object collectives) or ``copy.copy``: there a tensor keeps torch's own
+    reduction, so that checkpoints stay torch's format and ``copy.copy`` a view.
+
+    A ``copyreg`` reducer is called by the C pickler with no Python frame in between: the first
+    frame outside gpu_serde is the one that called ``dump``/``dumps`` (or ``copy.copy``)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("gpu_serde."):
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None:
+        return False
+    name = str(frame.f_globals.get("__name__", ""))
+    return name in ("copy", "torch") or name.startswith("torch.")

@@ -1,0 +1,76 @@
+"""The torch-free halves of the by-value and ``torch.multiprocessing`` rebuilds, and
+:func:`place`: they validate a payload and find the GPU by UUID before they import the library,
+so a process without the GPU (or without torch) gets a placeholder, never an untyped error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpu_serde import wire
+from gpu_serde.errors import PayloadError
+from gpu_serde.format.tensor import decode_tipc, decode_tval
+from gpu_serde.memory import lifetime
+from gpu_serde.placeholders import UnresolvedObject
+from gpu_serde.tensors.common import NAMES, local_ordinal
+from gpu_serde.tensors.sharing import module
+
+
+def rebuild_value(payload: object) -> Any:
+    """Rebuild body of :func:`gpu_serde.wire.tval`: a new tensor or array with the bytes, on this
+    process's ordinal of the same GPU.
+
+    Raises:
+        PayloadError: malformed; DeviceNotVisibleError: the GPU is not visible here;
+        HandoffError: the library is missing here, or the copy failed.
+    """
+    p = decode_tval(payload)
+    ordinal = local_ordinal(p.device, NAMES[p.meta.library])
+    return module(p.meta.library).from_value(p, ordinal)
+
+
+def rebuild_ipc(payload: object) -> Any:
+    """Rebuild body of :func:`gpu_serde.wire.tipc`: torch's own CUDA IPC, opened on this
+    process's ordinal of the sender's GPU.
+
+    Raises:
+        PayloadError: malformed; OtherHostError: sent from another host;
+        DeviceNotVisibleError: the GPU is not visible here; HandoffError: torch is missing here
+            or could not open it.
+    """
+    p = decode_tipc(payload)
+    what = "a torch CUDA tensor sent through torch.multiprocessing"
+    return module("torch").from_ipc(p, lifetime.local_ordinal(p.device, p.boot, what))
+
+
+def value_kind(payload: object) -> str:
+    """What a by-value payload is, for messages."""
+    return f"{NAMES[decode_tval(payload).meta.library]} (by value)"
+
+
+def place(x: Any, device: Any) -> Any:
+    """A received tensor or array on the device you name, explicitly: the way to use what
+    arrived by value where its own GPU is not visible (another host, a CPU-only client).
+
+    ``x`` is what was received: a tensor or array (moved with the library's own ``.to()`` or
+    ``cupy.asarray``), or the placeholder that a by-value payload became (its bytes, carried in
+    the payload, are put on ``device``: ``"cpu"``, ``"cuda:0"``, a ``torch.device`` or an
+    ordinal; for a CuPy array, a device ordinal, or ``"cpu"`` for a NumPy array).
+
+    Raises:
+        PayloadError: the placeholder carries no bytes (shared memory, or a malformed
+            payload): only the GPU it names can use it; or its error, if it is not a by-value
+            payload.
+    """
+    if not isinstance(x, UnresolvedObject):
+        if hasattr(x, "to"):
+            return x.to(device)
+        cupy = module("cupy")
+        return cupy.place_array(x, device)
+    if x._rebuild is not wire.tval or len(x._args) != 1:
+        raise x._error()
+    try:
+        p = decode_tval(x._args[0])
+    except PayloadError:
+        raise x._error() from None
+    return module(p.meta.library).place_value(p, device)

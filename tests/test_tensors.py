@@ -1,0 +1,244 @@
+"""torch tensors with gpu_serde installed, on the CPU tier (a CPU build of torch): CPU tensors
+keep the engine's own path, the reducers are registered once torch is imported, and a by-value
+payload's layout (dtype, shape, strides, offset, requires_grad, Parameter) survives the trip.
+The CUDA paths themselves run on the GPU tier (tests/test_tensors_gpu.py).
+"""
+
+from __future__ import annotations
+
+import copyreg
+import io
+import pickle
+import types
+
+import pytest
+
+torch = pytest.importorskip(
+    "torch", reason="torch is installed for the CPU tier on Python 3.11 only (scripts/_venv.sh)"
+)
+
+import gpu_serde  # noqa: E402
+from gpu_serde import DeviceNotVisibleError, UnresolvedObject, registry, wire  # noqa: E402
+from gpu_serde.format.device import encode_device  # noqa: E402
+from gpu_serde.tensors import torch as reducers  # noqa: E402
+from gpu_serde.tensors.common import torch_pickles  # noqa: E402
+
+STRANGER = encode_device(bytes(range(16)), False, 3, 42, "node-b", "NVIDIA H200")
+BASE = torch.arange(4 * 6 * 8, dtype=torch.float32).reshape(4, 6, 8)
+CASES = {
+    "contiguous": BASE.clone(),
+    "transposed": BASE.transpose(0, 2),
+    "slice with steps": BASE[1:3, ::2, 3:],
+    "storage offset": BASE.flatten()[17:40],
+    "bf16": BASE.to(torch.bfloat16)[2:, 1],
+    "requires_grad": BASE.clone().requires_grad_(True),
+    "parameter": torch.nn.Parameter(BASE.clone()),
+    "frozen parameter": torch.nn.Parameter(BASE.clone(), requires_grad=False),
+    "expanded": torch.arange(8).expand(3, 8),
+    "bool": BASE > 50,
+    "complex": torch.complex(BASE, -BASE)[1],
+    "empty": BASE[:, :0],
+}
+
+
+def cpu_payload(t) -> tuple:
+    """What the sender's reducer puts on the wire for a CUDA tensor laid out like ``t`` (a CPU
+    tensor here), naming a GPU no test process sees."""
+    kind, grad = reducers._KINDS[type(t)], t.requires_grad
+    meta = reducers.meta_of(t.detach())._replace(kind=kind, requires_grad=grad)
+    low, high = meta.span()
+    flat = t.detach().as_strided((high - low,), (1,), low)
+    data = flat.contiguous().view(torch.uint8).numpy().tobytes() if high > low else b""
+    return (1, STRANGER, meta.wire(), low, len(data), data)
+
+
+@pytest.fixture
+def installed_torch(simulated_gpus):
+    gpu_serde.install()
+    yield
+    gpu_serde.uninstall()
+
+
+@pytest.mark.parametrize("name", ["contiguous", "transposed", "storage offset", "parameter"])
+def test_a_cpu_tensor_pickles_to_the_same_bytes_as_without_gpu_serde(simulated_gpus, name):
+    t = CASES[name]
+    before = pickle.dumps(t)
+    gpu_serde.install()
+    try:
+        assert pickle.dumps(t) == before
+    finally:
+        gpu_serde.uninstall()
+
+
+def test_torch_multiprocessing_shares_a_cpu_tensor_as_torch_does(installed_torch):
+    from multiprocessing.reduction import ForkingPickler
+
+    from torch.multiprocessing import reductions
+
+    reducer = ForkingPickler._extra_reducers[torch.Tensor]
+    assert reducer is reducers.reduce_tensor_mp
+    assert reducer(CASES["contiguous"])[0] is reductions.rebuild_tensor  # torch's own
+
+
+def test_the_reducers_are_registered_for_tensor_and_parameter_and_uninstall_puts_torchs_back(
+    simulated_gpus,
+):
+    from multiprocessing.reduction import ForkingPickler
+
+    from torch.multiprocessing import reductions
+
+    assert {torch.Tensor, torch.nn.Parameter} <= set(registry.handled())
+    gpu_serde.install()
+    assert copyreg.dispatch_table[torch.Tensor] is reducers.reduce_tensor
+    assert copyreg.dispatch_table[torch.nn.Parameter] is reducers.reduce_tensor
+    gpu_serde.uninstall()
+    assert torch.Tensor not in copyreg.dispatch_table
+    assert ForkingPickler._extra_reducers[torch.Tensor] is reductions.reduce_tensor
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_by_value_payload_keeps_the_layout_and_bytes_when_placed_on_the_cpu(installed, name):
+    t = CASES[name]
+    got = pickle.loads(pickle.dumps(_Call(wire.tval, cpu_payload(t)), protocol=5))
+    assert isinstance(got, UnresolvedObject)  # its GPU is not visible here
+    with pytest.raises(DeviceNotVisibleError):
+        gpu_serde.resolve(got)
+    placed = gpu_serde.tensors.place(got, "cpu")
+    assert type(placed) is type(t) and placed.dtype == t.dtype
+    assert placed.shape == t.shape and placed.stride() == t.stride()
+    assert placed.storage_offset() == t.storage_offset()
+    assert placed.requires_grad == t.requires_grad
+    assert torch.equal(placed.detach(), t.detach())
+
+
+def test_place_moves_a_tensor_that_arrived_as_a_tensor():
+    assert gpu_serde.tensors.place(CASES["contiguous"], "cpu") is CASES["contiguous"]
+
+
+def test_a_non_float_payload_that_asks_for_grad_is_a_payload_error(installed):
+    payload = cpu_payload(CASES["expanded"])
+    meta = (*payload[2][:7], True)
+    got = wire.tval((*payload[:2], meta, *payload[3:]))
+    with pytest.raises(gpu_serde.PayloadError, match="cannot require grad"):
+        gpu_serde.tensors.place(got, "cpu")
+
+
+def test_a_dtype_this_torch_does_not_have_is_a_payload_error(installed):
+    payload = cpu_payload(CASES["contiguous"])
+    meta = ("torch", "Tensor", "float4_e9", 4, *payload[2][4:])
+    got = wire.tval((*payload[:2], meta, *payload[3:]))
+    with pytest.raises(gpu_serde.PayloadError, match=r"no dtype .float4_e9."):
+        gpu_serde.tensors.place(got, "cpu")
+
+
+@pytest.mark.parametrize(
+    "obj", [CASES["contiguous"], [1, 2], "x"], ids=["cpu tensor", "list", "str"]
+)
+def test_share_takes_only_cuda_tensors_and_arrays(obj):
+    with pytest.raises(TypeError, match=r"gpu_serde\.share\(\) takes"):
+        gpu_serde.share(obj)
+
+
+def test_torch_pickling_keeps_torchs_own_reduction():
+    """torch.save, torch.package, torch.distributed and copy.copy pickle from torch's (or copy's)
+    own frames: there a tensor keeps torch's reduction."""
+
+    def called_from(module: str) -> bool:
+        code = compile("check()", module, "eval")
+        return eval(code, {"__name__": module, "check": torch_pickles})
+
+    assert called_from("torch.serialization") and called_from("copy")
+    assert not called_from("ray.cloudpickle") and not called_from("__main__")
+    assert not torch_pickles()  # this test module pickles as any user does
+
+
+def test_torch_save_of_a_cpu_tensor_loads_with_weights_only(installed_torch):
+    f = io.BytesIO()
+    torch.save({"w": CASES["transposed"]}, f)
+    f.seek(0)
+    got = torch.load(f, weights_only=True)["w"]
+    assert torch.equal(got, CASES["transposed"]) and got.stride() == CASES["transposed"].stride()
+
+
+def test_dask_sends_a_cpu_tensor_through_distributeds_own_entry(installed_torch):
+    from distributed.protocol import deserialize, serialize
+    from distributed.protocol.torch import serialize_torch_Tensor
+
+    import gpu_serde.dask  # noqa: F401  (its entries, in place once torch is imported)
+
+    t = CASES["storage offset"]
+    header, frames = serialize(t, serializers=("dask",))
+    assert header["sub-header"]["gpu_serde-theirs"] == "torch.Tensor"
+    _, theirs = serialize_torch_Tensor(t)
+    assert [bytes(memoryview(f)) for f in frames] == [bytes(memoryview(f)) for f in theirs]
+    assert torch.equal(deserialize(header, frames), t)
+
+
+def test_dask_sends_a_cpu_parameter_through_distributeds_own_entry(installed_torch):
+    from distributed.protocol import deserialize, serialize
+
+    import gpu_serde.dask  # noqa: F401
+
+    p = CASES["parameter"]
+    got = deserialize(*serialize(p, serializers=("dask",)))
+    assert type(got) is torch.nn.Parameter and torch.equal(got.detach(), p.detach())
+
+
+def test_a_placeholder_sent_through_dask_arrives_as_the_same_placeholder(installed_torch):
+    from distributed.protocol import deserialize, serialize
+
+    got = wire.tval(cpu_payload(CASES["bf16"]))
+    again = deserialize(*serialize(got, serializers=("pickle",)))
+    assert isinstance(again, UnresolvedObject)
+    assert pickle.dumps(again, protocol=5) == pickle.dumps(got, protocol=5)
+
+
+class _Call:
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return (self.fn, self.args)
+
+
+def test_the_lazy_hook_left_torchs_module_as_torch_loaded_it():
+    assert isinstance(torch, types.ModuleType)
+    assert type(torch.__loader__).__name__ == "SourceFileLoader"
+    assert torch.__spec__ is not None and torch.__spec__.loader is torch.__loader__
+
+
+def _return(x):
+    return x
+
+
+def _use(x):
+    import gpu_serde
+
+    gpu_serde.resolve(x)
+    return x.sum().item()
+
+
+def test_dask_carries_cpu_tensors_and_placeholders_worker_to_worker_and_no_future_hangs(
+    installed_torch,
+):
+    from distributed import Client, LocalCluster
+
+    import gpu_serde.dask
+
+    t = CASES["transposed"]
+    stranger = wire.tval(cpu_payload(CASES["bf16"]))  # a GPU no process here sees
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, host="127.0.0.1", dashboard_address=":0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        gpu_serde.dask.register(client)
+        a, b = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        made = client.submit(_return, t, workers=[a], pure=False)
+        total = client.submit(_use, made, workers=[b], pure=False).result(timeout=60)
+        far = client.submit(_return, stranger, workers=[a], pure=False)
+        used = client.submit(_use, far, workers=[b], pure=False)
+        with pytest.raises(DeviceNotVisibleError):
+            used.result(timeout=60)  # the typed error, not a future that never settles
+    assert total == t.sum().item()
