@@ -272,15 +272,16 @@ def test_forged_ids_map_each_region_or_pool_at_most_once(exporter, tier, monkeyp
     _, p = payload_of(buf)
     with child(monkeypatch, tier.uuid) as c:
         before = c.run(load_all, forged_ids(p, 100))  # forged before anything was mapped
-        real = c.run(load_all, [pickle.dumps(buf)])
+        real = c.run(load_all, [pickle.dumps(buf)])  # (the first mapping makes a context too)
         after = c.run(load_all, forged_ids(p, 100))  # and after
+        again = c.run(load_all, forged_ids(p, 100))
     assert before["errors"] == {"TokenRefusedError": 100}  # the broker refuses the claimed ids
     assert real["errors"] == {"ok": 1}
-    assert after["errors"] == {"HandoffError": 100}  # mapped once: the claim does not match
-    assert after["maps"] == (1 if exporter.kind == "arena" else 0)
-    assert after["fds"] <= before["fds"] + 4  # one region or pool, at most a connection more
+    assert after["errors"] == again["errors"] == {"HandoffError": 100}  # the claim does not match
+    assert after["maps"] == again["maps"] == (1 if exporter.kind == "arena" else 0)
+    assert again["fds"] <= after["fds"] <= real["fds"] + 2  # nothing mapped, nothing kept
     del buf
-    assert wait_until(exporter.all_back, timeout=GRACE + BOUND)
+    assert wait_until(exporter.all_back, timeout=GRACE + BOUND), exporter
 
 
 # ---- a sender never fails; a killed worker or actor gives its holds back -----------------------------
