@@ -63,7 +63,7 @@ _HERE = Path(__file__).parent
 _LIBRARIES = {
     "libcuda.so.1": [
         _HERE / f"{name}.c"
-        for name in ("simdriver", "simctx", "simmem", "simipc", "simcopy", "simvmm")
+        for name in ("simdriver", "simctx", "simmem", "simipc", "simcopy", "simvmm", "simstub")
     ],
     "libnvidia-ml.so.1": [_HERE / "simnvml.c"],
 }
