@@ -288,7 +288,7 @@ def spec_cluster_options(
     reaches it as it would reach another machine (by value, not mapped).
 
     Raises:
-        ImportError: distributed is not installed (``pip install 'gpu-serde[dask]'``).
+        ImportError: distributed is not installed (gpu_serde's ``dask`` extra).
     """
     from distributed import Nanny, Scheduler  # only for those who start a Dask cluster
 
