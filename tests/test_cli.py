@@ -142,3 +142,16 @@ def test_the_env_hook_installs_the_driver_and_adds_the_worker_hook_and_the_mark(
         assert b"gpu_serde" in pickle.dumps(Device(0))  # this (driver) process sends by UUID
     finally:
         gpu_serde.uninstall()
+
+
+def test_a_ray_address_where_nothing_listens_is_said_at_once():
+    from gpu_serde.testing.clusters import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    done = gpu_serde_cli("doctor", "--ray", address, "--timeout", "5")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"gpu-serde: doctor: cannot reach the cluster at {address}: nothing answers there "
+        "(Connection refused): is the cluster running? `ray start --head` prints its address "
+        "(host:port of the GCS, port 6379 unless --port says otherwise)"
+    ]
