@@ -17,8 +17,9 @@ from ray.cluster_utils import Cluster
 
 import gpu_serde
 import gpu_serde.ray
-from gpu_serde.identity import uuid_bytes
 from gpu_serde.format.device import encode_device
+from gpu_serde.identity import uuid_bytes
+from gpu_serde.routing import resource_name
 from gpu_serde.wire import dev as rebuild_device
 
 pytest.importorskip("markdown_it", reason="the docs extra reads the README's code blocks")
@@ -43,7 +44,7 @@ def cluster(simulated_gpus):
     )
     nodes = {"a": [g[1], g[0]], "b": [g[2], g[3]]}
     for name, order in nodes.items():
-        declared = {u: 1 for u in order} if name == "a" else {}
+        declared = {resource_name(u): 1 for u in order} if name == "a" else {}
         c.add_node(
             num_cpus=2,
             num_gpus=2,
@@ -135,7 +136,7 @@ def test_on_merges_a_runtime_env_and_refuses_another_gpu_in_it(cluster):
 def test_exclusive_holds_the_gpus_resource_where_the_node_declares_it(cluster):
     uuid = cluster["uuids"][0]  # node a declares one resource per GPU
     options = gpu_serde.ray.on(Device(0), exclusive=True)
-    assert options["resources"] == {uuid: 1}
+    assert options["resources"] == {f"gpu_serde:{uuid}": 1}
     assert ray.get(where.options(**options).remote(Device(0)))[1] == uuid
 
 
