@@ -124,8 +124,8 @@ def on(device: Any, client: Any = None, *, exclusive: bool = True) -> dict[str, 
             on that GPU (default); ``False`` restricts the task to the owners without holding it.
 
     Returns:
-        ``{"resources": {"gpu_serde:GPU-...": 1}}``, or ``{"workers": [...],
-        "allow_other_workers": False}``
+        ``{"resources": {"gpu_serde:GPU-...": 1}}``, or
+        ``{"workers": [...], "allow_other_workers": False}``
         (see the module's docstring for which, and what each guarantees).
 
     Raises:

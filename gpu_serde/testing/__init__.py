@@ -15,10 +15,14 @@ pointer" is a host address. It keeps the CUDA rules on imports (importers free
 first, a destroyed pool's memory is gone) with the driver's error codes; :func:`violations` counts
 exporters that freed first. ``GPU_SERDE_SIM_TRACE=1`` prints every failing call.
 
-It does **not** simulate kernels (no CuPy or PyTorch work), the CUDA runtime (``Device.pci_bus_id``
-and ``Device.sync()`` fail), peer access between real devices (every "GPU" is host memory),
-managed memory, graphs, or timings (meaningless). docs/testing.md has the details and an example
-of testing a pipeline that passes buffers.
+It does **not** simulate kernels (no CuPy or PyTorch work), graphs, the CUDA runtime
+(``Device.sync()``, ``Device.pci_bus_id``), peer access (every "GPU" is host memory), managed
+memory or timings (meaningless). Each of those calls fails and names itself: a driver function it
+does not define returns ``CUDA_ERROR_STUB_LIBRARY`` (cuda.core's ``CUDAError`` then reads
+"gpu_serde simulated GPU: cuLibraryLoadData is not simulated; ..."), the CUDA runtime fails with
+``cudaErrorStubLibrary``, and the first such call of each kind says so on stderr. docs/testing.md
+says what works and what does not, and has an example of testing a pipeline that passes buffers.
+``gpu-serde simulate`` gives a shell the same GPUs.
 
 The stand-in NVML presents the same GPUs and, like the real NVML, ignores ``CUDA_VISIBLE_DEVICES``:
 it enumerates every GPU of the host in the list's order. It answers what Ray's GPU count, dask-cuda

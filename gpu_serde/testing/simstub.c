@@ -7,15 +7,16 @@
  * CUDA_ERROR_STUB_LIBRARY, the driver's code for "the CUDA driver that the application has loaded is a
  * stub library". Right after such a call, cuGetErrorName in the same thread names the call:
  * "CUDA_ERROR_STUB_LIBRARY (gpu_serde simulated GPU: cuLibraryLoadData is not simulated; ...)", which
- * is the text of the CUDAError that cuda.core raises. Each stub also says so once on stderr, and on
- * every call with GPU_SERDE_SIM_TRACE=1.
+ * is the text of the CUDAError that cuda.core raises. With GPU_SERDE_SIM_TRACE=1 every such call
+ * prints a line on stderr (sim_fail); otherwise the stand-in prints nothing, as a driver would: some
+ * callers try a call and carry on without it.
  *
  * The CUDA runtime linked into cuda.bindings (cuda.bindings.runtime; cuda.core's Device.sync() and
  * Device.pci_bus_id) starts by asking the driver for private tables (cuGetExportTable), one of which
  * is an integrity check that only NVIDIA's driver can answer: the runtime then fails with
  * cudaErrorSoftwareValidityNotEstablished. This stand-in does not imitate that check; it answers
  * cuGetExportTable with CUDA_ERROR_STUB_LIBRARY, which the runtime reports as cudaErrorStubLibrary
- * (cuda-bindings 12.9 and 13.x alike), and says so once on stderr.
+ * (cuda-bindings 12.9 and 13.x alike).
  *
  * A stub is called with the real function's arguments and ignores them: its prototype takes none,
  * which the x86-64 and AArch64 calling conventions allow (the caller owns its arguments).
@@ -30,7 +31,7 @@
 #define DOCS "docs/testing.md of gpu_serde says what is simulated"
 #define N_STUBS 1000
 
-struct stub { const char *name; char *label; int noted; };
+struct stub { const char *name; char *label; };
 static struct stub stubs[N_STUBS];
 static int n_stubs;
 static pthread_mutex_t stub_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -42,17 +43,8 @@ static const char runtime_label[] =
     "is not simulated; " DOCS ")";
 
 static CUresult not_simulated(int i) {
-    struct stub *s = &stubs[i];
-    last_label = s->label;
-    pthread_mutex_lock(&stub_lock);
-    int first = !s->noted;
-    s->noted = 1;
-    pthread_mutex_unlock(&stub_lock);
-    if (first)
-        fprintf(stderr,
-                "gpu_serde simulated GPU: %s is not simulated (kernels, graphs and the CUDA runtime "
-                "need a real GPU); it returns CUDA_ERROR_STUB_LIBRARY. " DOCS ".\n", s->name);
-    return sim_fail(STUB_LIBRARY, s->name);
+    last_label = stubs[i].label;
+    return sim_fail(STUB_LIBRARY, stubs[i].name);
 }
 
 /* N_STUBS functions stub_1000 .. stub_1999, each knowing its own index (n - 1000). */
@@ -97,18 +89,9 @@ void *sim_stub(const char *symbol) {
 const char *sim_stub_label(void) { return last_label; }
 
 CUresult cuGetExportTable(const void **table, const CUuuid *id) {
-    static int noted;
     (void)id;
     if (table) *table = NULL;
     last_label = runtime_label;
-    pthread_mutex_lock(&stub_lock);
-    int first = !noted;
-    noted = 1;
-    pthread_mutex_unlock(&stub_lock);
-    if (first)
-        fprintf(stderr,
-                "gpu_serde simulated GPU: the CUDA runtime (cuda.bindings.runtime, behind "
-                "Device.sync() and Device.pci_bus_id) is not simulated: its calls fail with "
-                "cudaErrorStubLibrary. " DOCS " and what to call instead.\n");
-    return sim_fail(STUB_LIBRARY, "cuGetExportTable");
+    return sim_fail(STUB_LIBRARY, "cuGetExportTable (the CUDA runtime's start: Device.sync(), "
+                                  "Device.pci_bus_id and cuda.bindings.runtime are not simulated)");
 }
