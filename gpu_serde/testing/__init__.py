@@ -55,6 +55,7 @@ __all__ = [
     "child_env",
     "driver_dir",
     "make_gpus",
+    "ray_node_options",
     "real_driver_present",
     "spec_cluster_options",
     "violations",
@@ -305,3 +306,22 @@ def spec_cluster_options(
     }
     scheduler = {"cls": Scheduler, "options": {"host": host, "dashboard_address": ":0"}}
     return {"workers": workers, "scheduler": scheduler}
+
+
+def ray_node_options(
+    visible: str | Iterable[str | int], *, host: str | None = None
+) -> dict[str, Any]:
+    """Keyword arguments for ``ray.cluster_utils.Cluster().add_node(...)``: a node whose processes
+    see the GPUs ``visible`` (its ``CUDA_VISIBLE_DEVICES``: a string, or UUIDs/ordinals to join
+    with commas) and whose ``GPU`` resource counts them, so that ``num_gpus`` tasks run there.
+
+    ``add_node(env_vars={"CUDA_VISIBLE_DEVICES": ...})`` alone gives the node no ``GPU`` resource:
+    Ray counts a node's GPUs in the process that adds it, not from ``env_vars``. ``host`` gives
+    the node's processes another host identity (``GPU_SERDE_HOST_ID``, :mod:`gpu_serde.hostid`).
+    Merge your own options in: ``add_node(num_cpus=2, **ray_node_options(...))``.
+    """
+    value = visible if isinstance(visible, str) else ",".join(str(v) for v in visible)
+    env = {"CUDA_VISIBLE_DEVICES": value}
+    if host is not None:
+        env[HOST_ENV] = host
+    return {"num_gpus": len([e for e in value.split(",") if e.strip()]), "env_vars": env}
