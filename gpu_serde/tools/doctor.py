@@ -295,14 +295,14 @@ def _why_ray_refused(exc: BaseException, said: str, source: str | None) -> str:
     return f"Ray could not connect: {exc}{last}"
 
 
-def _connect_ray(address: str, extra: dict[str, Any], timeout: float) -> None:
-    """``gpu_serde.ray.init`` to the cluster at ``address``, quietly; a failure says why.
+def _connect_ray(address: str, extra: dict[str, Any], timeout: float, source: str | None) -> None:
+    """``gpu_serde.ray.init`` to the cluster at ``address``, quietly; a failure says why
+    (``source``: where this process's Ray token comes from, :func:`ray_token_source`).
 
     Raises:
         ConnectionError: nothing listens there, or Ray refused (token authentication: what to
             do), or could not connect (what Ray said).
     """
-    source = _use_ray_token()
     _check_listening(address, timeout)
     import gpu_serde.ray
 
@@ -337,19 +337,21 @@ def survey_ray(
             message says why and what to do).
     """
     me = _this_process()
-    connected = "ray" in sys.modules and sys.modules["ray"].is_initialized()  # from a driver
+    source = _use_ray_token()  # before Ray is imported: it reads the mode then
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    connected = ray.is_initialized()  # called from a driver: survey its own cluster
     if not connected:
         extra = {"_node_ip_address": node_ip_address} if node_ip_address else {}
         try:
-            _connect_ray(address, extra, timeout)
+            _connect_ray(address, extra, timeout, source)
         except ConnectionError:
             if not me.installed:
                 import gpu_serde
 
                 gpu_serde.uninstall()  # gpu_serde.ray.init installed it before Ray refused
             raise
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     import gpu_serde
 
