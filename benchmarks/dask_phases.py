@@ -88,8 +88,8 @@ def main() -> None:
     from distributed import Client, LocalCluster
 
     import gpu_serde.dask
-    from gpu_serde.memory import lifetime as handoff
     from gpu_serde.inventory import inventory
+    from gpu_serde.memory import lifetime as handoff
 
     inv = inventory()
     if inv.simulated or not inv.devices:

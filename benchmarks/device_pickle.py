@@ -36,9 +36,9 @@ class _Sent:
 def pickled_size_with_host(dev, host: str) -> int:
     """The size of ``dev``'s gpu_serde pickle had it been sent from a host named ``host``."""
     from gpu_serde.device import device_payload
+    from gpu_serde.format.device import encode_device
     from gpu_serde.identity import uuid_bytes
     from gpu_serde.inventory import inventory
-    from gpu_serde.format.device import encode_device
 
     info = inventory().devices[dev.device_id]
     payload = encode_device(

@@ -6,6 +6,7 @@ import pkgutil
 
 import pytest
 
+
 def _modules() -> list[str]:
     """Every module of the package (``__main__`` runs the command line when imported)."""
     import gpu_serde

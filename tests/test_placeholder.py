@@ -7,8 +7,8 @@ import pytest
 
 import gpu_serde
 from gpu_serde import DeviceNotVisibleError, UnresolvedDevice
-from gpu_serde.inventory import inventory
 from gpu_serde.format.device import encode_device
+from gpu_serde.inventory import inventory
 from gpu_serde.wire import dev
 
 ELSEWHERE = encode_device(bytes.fromhex("deadbeef" * 4), False, 5, 777, "node-b", "NVIDIA H200")
