@@ -24,5 +24,9 @@ html_theme_options = {
     "extra_nav_links": {},
 }
 myst_heading_anchors = 3
+# A docstring's literal block (``::``) is shown as written, not highlighted as Python: most are
+# tables of names in English. Python in a docstring says so (``.. code-block:: python``); the
+# Markdown pages name each fence's language.
+highlight_language = "none"
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"

@@ -60,6 +60,18 @@ def _one_uuid(obj: Any) -> str:
     raise TypeError(f"on() takes {ACCEPTED}, not {type(obj).__name__}")
 
 
+#: What the routing resources' names start with: a Dask worker publishes ``gpu_serde:GPU-<uuid>``
+#: for its own GPU, and a Ray node declares it for ``on(exclusive=True)``. The prefix says whose
+#: they are wherever resources are listed (``scheduler_info()``, dashboards, ``ray status``).
+RESOURCE_PREFIX = "gpu_serde:"
+
+
+def resource_name(uuid: str) -> str:
+    """The name of the routing resource for the GPU with canonical UUID ``uuid``
+    (``gpu_serde:GPU-...``): what ``on()`` asks for on Dask, and on Ray with ``exclusive=True``."""
+    return RESOURCE_PREFIX + uuid
+
+
 def target_uuid(obj: Any) -> str:
     """Return the canonical UUID (``GPU-...``/``MIG-...``) of the GPU that ``obj`` lives on.
 

@@ -16,6 +16,9 @@ import pytest
 import gpu_serde
 from gpu_serde.testing.clusters import RAY_IP, dask_cli_cluster, ray_cli_cluster
 
+# A local ray.init() of Ray 2.60 would write ~/.ray/auth_token (tests/conftest.py says why not).
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
 
 @pytest.fixture(scope="session")
 def host_gpus(request) -> list[str]:

@@ -1,15 +1,18 @@
-"""The docker compose files are valid (``docker-compose config``) and say what they should: the CPU
-profile (compose.yaml, run by scripts/test-docker) and the GPU profile (plus compose.gpu.yaml, not
-run here). Both keep to the network rules: the host's network only, no published ports, loopback
-addresses only."""
+"""The docker compose files are valid and say what they should: the CPU profile (compose.yaml, run
+by scripts/test-docker) and the GPU profile (plus compose.gpu.yaml, not run here). Both keep to
+the network rules: the host's network only, no published ports, loopback addresses only.
+
+Validity is checked in Python, without docker: each file, and the files merged as compose merges
+them, against the compose specification's JSON schema (the copy that check-jsonschema ships, in
+the ``test`` extra)."""
 
 from __future__ import annotations
 
 import ipaddress
 import os
 import re
-import shutil
 import subprocess
+import sys
 
 import pytest
 import yaml
@@ -32,29 +35,59 @@ WORKERS = [f"{e}-worker-{i}" for e in ("ray", "dask") for i in (1, 2)]
 BLIND = ["ray-worker-blind", "dask-worker-blind"]
 
 
-def compose_config(files: list[str]) -> dict:
-    tool = shutil.which("docker-compose")
-    if tool is None:
-        pytest.fail("docker-compose is not installed (Debian: apt-get install docker-compose)")
-    args = [a for f in files for a in ("-f", f)]
-    done = subprocess.run([tool, *args, "config"], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return yaml.safe_load(done.stdout)
+def valid(paths: list[str]) -> None:
+    """Each file matches the compose specification's schema."""
+    cmd = [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec"]
+    done = subprocess.run([*cmd, *paths], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def merge(base: object, override: object) -> object:
+    """Compose's merge of a later file into an earlier one, for what these files hold: mappings
+    merge key by key (``environment`` and ``deploy`` too), anything else is replaced."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        return {k: merge(base[k], v) if k in base else v for k, v in {**base, **override}.items()}
+    return override
+
+
+def compose_config(files: list[str], tmp_dir: str) -> dict:
+    """The files' configuration as compose reads it: YAML anchors and ``<<`` merges resolved, later
+    files merged over earlier ones, extension fields (``x-...``) left out; every file and the
+    result checked against the compose specification's schema."""
+    valid(files)
+    merged: object = {}
+    for path in files:
+        with open(path) as f:
+            merged = merge(merged, yaml.safe_load(f))
+    assert isinstance(merged, dict)
+    config = {k: v for k, v in merged.items() if not k.startswith("x-")}
+    result = os.path.join(tmp_dir, "merged.yaml")
+    with open(result, "w") as f:
+        yaml.safe_dump(config, f)
+    valid([result])
+    return config
 
 
 @pytest.fixture(scope="module", params=["cpu", "gpu"])
-def config(request) -> dict:
-    return compose_config(CPU if request.param == "cpu" else GPU)
+def config(request, tmp_path_factory) -> dict:
+    return compose_config(CPU if request.param == "cpu" else GPU, tmp_path_factory.mktemp("c"))
 
 
 @pytest.fixture(scope="module")
-def cpu() -> dict:
-    return compose_config(CPU)
+def cpu(tmp_path_factory) -> dict:
+    return compose_config(CPU, tmp_path_factory.mktemp("cpu"))
 
 
 @pytest.fixture(scope="module")
-def gpu() -> dict:
-    return compose_config(GPU)
+def gpu(tmp_path_factory) -> dict:
+    return compose_config(GPU, tmp_path_factory.mktemp("gpu"))
+
+
+def test_a_file_that_breaks_the_compose_schema_is_refused(tmp_path):
+    bad = tmp_path / "compose.yaml"
+    bad.write_text("services:\n  a:\n    image: x\n    network_mode: host\n    netwrok: y\n")
+    with pytest.raises(AssertionError, match="netwrok"):
+        valid([str(bad)])
 
 
 def env(service: dict) -> dict:

@@ -13,6 +13,10 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # Ray before 2.60 hides every GPU from a num_gpus=0 task (CUDA_VISIBLE_DEVICES=""); 2.60 leaves them
 # visible. The tests expect 2.60's behaviour, which this gives on every supported Ray (>= 2.50).
 os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+# Ray 2.60's local ray.init() writes a token to ~/.ray/auth_token and turns token authentication on
+# (and then so does every later plain `ray start --head` of this user): the tests leave the user's
+# home alone. Tests of token authentication set their own HOME and RAY_AUTH_MODE.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
 def gpu_tier(config: pytest.Config) -> bool:

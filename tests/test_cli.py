@@ -19,7 +19,7 @@ def gpu_serde_cli(*args: str, prelude: str = "") -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("command", ["devices", "doctor", "demo"])
+@pytest.mark.parametrize("command", ["devices", "doctor", "demo", "simulate"])
 def test_each_command_has_a_description_and_an_example(command):
     done = subprocess.run(
         [sys.executable, "-m", "gpu_serde", command, "--help"],
@@ -54,8 +54,50 @@ def test_a_missing_engine_is_one_line_naming_the_extra():
     done = gpu_serde_cli("doctor", "--ray", "127.0.0.1:1", prelude="sys.modules['ray'] = None")
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "gpu-serde: doctor needs ray, which is not installed here: pip install 'gpu-serde[ray]'"
+        "gpu-serde: doctor needs ray, which is not installed here: pip install 'ray>=2.50' "
+        "(gpu_serde's [ray] extra)"
     ]
+
+
+def in_shell(script: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """``script`` in bash, with ``gpu-serde`` meaning this Python's ``python -m gpu_serde``."""
+    prelude = f'gpu-serde() {{ "{sys.executable}" -m gpu_serde "$@"; }}\n'
+    return subprocess.run(
+        ["bash", "-c", prelude + script], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_a_shell_gets_simulated_gpus_from_one_command_and_gives_them_back():
+    from gpu_serde.testing import make_gpus
+    from helpers import env_without_driver
+
+    script = """
+    eval "$(gpu-serde simulate 3)"
+    gpu-serde devices --json
+    eval "$(gpu-serde simulate --off)"
+    echo "after: ${GPU_SERDE_SIM_GPUS-unset} [${LD_LIBRARY_PATH-unset}]"
+    """
+    done = in_shell(script, {**env_without_driver(), "LD_LIBRARY_PATH": "/opt/mine"})
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout[: done.stdout.rindex("}") + 1])
+    assert [d["uuid"] for d in doc["devices"]] == [g.uuid for g in make_gpus(3)]
+    assert doc["simulated"] is True
+    assert done.stdout.splitlines()[-1] == "after: unset [/opt/mine]"
+
+
+def test_simulate_runs_one_command_on_simulated_gpus():
+    from helpers import env_without_driver
+
+    code = "import gpu_serde; print(len(gpu_serde.visible_devices()))"
+    done = in_shell(f"gpu-serde simulate 2 -- '{sys.executable}' -c '{code}'", env_without_driver())
+    assert done.stdout.strip() == "2", done.stderr
+
+
+def test_devices_without_a_driver_points_to_simulated_gpus():
+    from helpers import env_without_driver
+
+    done = in_shell("gpu-serde devices", env_without_driver())
+    assert 'eval "$(gpu-serde simulate 4)"' in done.stdout.splitlines()[-1]
 
 
 def test_an_unreachable_scheduler_is_one_line():
@@ -100,3 +142,16 @@ def test_the_env_hook_installs_the_driver_and_adds_the_worker_hook_and_the_mark(
         assert b"gpu_serde" in pickle.dumps(Device(0))  # this (driver) process sends by UUID
     finally:
         gpu_serde.uninstall()
+
+
+def test_a_ray_address_where_nothing_listens_is_said_at_once():
+    from gpu_serde.testing.clusters import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    done = gpu_serde_cli("doctor", "--ray", address, "--timeout", "5")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"gpu-serde: doctor: cannot reach the cluster at {address}: nothing answers there "
+        "(Connection refused): is the cluster running? `ray start --head` prints its address "
+        "(host:port of the GCS, port 6379 unless --port says otherwise)"
+    ]

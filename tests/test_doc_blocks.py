@@ -37,6 +37,9 @@ def _marks(b) -> list:
 RUNNABLE = [pytest.param(b, id=b.id, marks=_marks(b)) for b in BLOCKS if b.marker != "fragment"]
 
 
+RUNNABLE_BLOCKS = [b for b in BLOCKS if b.marker == ""]  # run in the CPU tier
+
+
 @pytest.mark.parametrize("block", RUNNABLE)
 def test_the_block_runs_as_written(block, request):
     if block.marker == "gpu":
@@ -78,3 +81,23 @@ def test_no_line_starts_with_a_comparison_that_markdown_reads_as_a_quote(doc):
         elif not in_fence and QUOTE_BY_ACCIDENT.match(line):
             lines.append(f"{doc}:{n}: {line.strip()}")
     assert lines == []
+
+
+NO_GPU_NOTE = '**No GPU here?** Every example on this page runs on simulated GPUs: run\n`eval "$(gpu-serde simulate 4)"`'
+
+
+@pytest.mark.parametrize("doc", sorted({b.doc for b in RUNNABLE_BLOCKS}))
+def test_a_page_with_examples_says_first_how_to_run_them_without_a_gpu(doc):
+    text = (Path(ROOT) / doc).read_text(encoding="utf-8")
+    first = min(b.line for b in RUNNABLE_BLOCKS if b.doc == doc)
+    before = "\n".join(text.splitlines()[: first - 1])
+    assert NO_GPU_NOTE in before, (
+        f"{doc}: the note on simulated GPUs is not before its first example"
+    )
+    if doc != "README.md":  # the README's examples start after its install section
+        assert NO_GPU_NOTE in "\n".join(text.splitlines()[:6]), f"{doc}: not in its first lines"
+
+
+def test_no_example_makes_its_own_gpus_unless_it_is_about_them():
+    own = [b.id for b in RUNNABLE_BLOCKS if "real_driver_present" in b.code]
+    assert own == []  # pages say how to run them on simulated GPUs instead (the note above)

@@ -49,7 +49,7 @@ def test_a_routed_dask_task_uses_the_real_gpu_on_its_owner(installed):
         while time.monotonic() < deadline and "resources" not in gpu_serde.dask.on(Device(0)):
             time.sleep(0.2)
         where = gpu_serde.dask.on(Device(0))
-        assert where == {"resources": {uuid: 1}}
+        assert where == {"resources": {f"gpu_serde:{uuid}": 1}}
         pool = DeviceMemoryResource(Device(0))
         buf = pool.allocate(1 << 20, stream=Device(0).default_stream)
         assert gpu_serde.dask.on(pool) == gpu_serde.dask.on([buf, Device(0)]) == where

@@ -17,6 +17,7 @@ import gpu_serde
 import gpu_serde.dask
 from gpu_serde.format.device import encode_device
 from gpu_serde.identity import uuid_bytes
+from gpu_serde.routing import resource_name
 from gpu_serde.testing import spec_cluster_options
 from gpu_serde.wire import dev as rebuild_device
 
@@ -56,9 +57,15 @@ def dask_cluster(simulated_gpus):
 
 
 def owners(client) -> dict[str, str]:
-    """GPU UUID -> name of the worker that published it."""
+    """GPU UUID -> name of the worker that published it (its resource ``gpu_serde:GPU-...``)."""
     info = client.scheduler_info(n_workers=-1)["workers"]
-    return {r: w["name"] for w in info.values() for r in w["resources"] if r.startswith("GPU-")}
+    prefix = "gpu_serde:"
+    return {
+        r.removeprefix(prefix): w["name"]
+        for w in info.values()
+        for r in w["resources"]
+        if r.startswith(prefix)
+    }
 
 
 def where(device) -> tuple:
@@ -69,6 +76,16 @@ def where(device) -> tuple:
 def test_each_worker_publishes_its_device_0_as_a_resource(dask_cluster):
     client, _, uuids, _ = dask_cluster
     assert owners(client) == {u: f"w{i}" for i, u in enumerate(uuids)}
+
+
+def test_the_one_resource_a_worker_gains_is_named_plainly_gpu_serdes(dask_cluster):
+    client, _, uuids, _ = dask_cluster
+    workers = client.scheduler_info(n_workers=-1)["workers"].values()
+    resources = {w["name"]: w["resources"] for w in workers}
+    assert resources == {
+        **{f"w{i}": {f"gpu_serde:{u}": 1} for i, u in enumerate(uuids)},
+        "blind": {},  # a worker that sees no GPU publishes nothing
+    }
 
 
 @pytest.mark.parametrize("k", range(4))
@@ -99,7 +116,7 @@ def test_not_exclusive_restricts_to_the_owners_by_address(dask_cluster):
 
 
 async def _withdraw(dask_worker, uuid: str, amount: float) -> None:
-    await dask_worker.set_resources(**{uuid: amount})
+    await dask_worker.set_resources(**{resource_name(uuid): amount})
 
 
 def test_without_an_owner_twenty_tasks_run_on_workers_that_see_the_gpu(dask_cluster):
@@ -121,9 +138,9 @@ def test_a_placeholder_routes_like_its_device(dask_cluster):
     client, _, uuids, _ = dask_cluster
     made = client.submit(lambda: Device(0), **gpu_serde.dask.on(Device(1)), pure=False)
     arrived = made.result(timeout=60)  # a Device the client can see: Device(1) here
-    assert gpu_serde.dask.on(arrived) == {"resources": {uuids[1]: 1}}
+    assert gpu_serde.dask.on(arrived) == {"resources": {resource_name(uuids[1]): 1}}
     stranger = placeholder(uuids[1])
-    assert gpu_serde.dask.on(stranger) == {"resources": {uuids[1]: 1}}
+    assert gpu_serde.dask.on(stranger) == {"resources": {resource_name(uuids[1]): 1}}
 
 
 def test_a_memory_resource_routes_to_its_devices_owner(dask_cluster):
@@ -131,7 +148,7 @@ def test_a_memory_resource_routes_to_its_devices_owner(dask_cluster):
 
     _, _, uuids, _ = dask_cluster
     mr = VirtualMemoryResource(Device(2), VirtualMemoryResourceOptions(peers=(0,)))
-    assert gpu_serde.dask.on(mr) == {"resources": {uuids[2]: 1}}
+    assert gpu_serde.dask.on(mr) == {"resources": {resource_name(uuids[2]): 1}}
 
 
 def test_a_pool_and_its_buffer_route_to_their_devices_owner(dask_cluster):
@@ -143,14 +160,20 @@ def test_a_pool_and_its_buffer_route_to_their_devices_owner(dask_cluster):
     pool = DeviceMemoryResource(dev)
     buf = pool.allocate(4096, stream=dev.default_stream)
     try:
-        assert gpu_serde.dask.on(pool) == gpu_serde.dask.on(buf) == {"resources": {uuids[3]: 1}}
+        assert (
+            gpu_serde.dask.on(pool)
+            == gpu_serde.dask.on(buf)
+            == {"resources": {resource_name(uuids[3]): 1}}
+        )
     finally:
         buf.close()
 
 
 def test_a_list_on_one_gpu_routes_and_one_on_two_gpus_raises(dask_cluster):
     _, _, uuids, _ = dask_cluster
-    assert gpu_serde.dask.on([Device(1), (Device(1))]) == {"resources": {uuids[1]: 1}}
+    assert gpu_serde.dask.on([Device(1), (Device(1))]) == {
+        "resources": {resource_name(uuids[1]): 1}
+    }
     with pytest.raises(gpu_serde.PlacementError, match="2 different GPUs"):
         gpu_serde.dask.on([Device(0), Device(1)])
     with pytest.raises(gpu_serde.PlacementError, match="empty"):

@@ -19,6 +19,8 @@ import gpu_serde
 import gpu_serde.ray
 from gpu_serde.format.device import encode_device
 from gpu_serde.identity import uuid_bytes
+from gpu_serde.routing import resource_name
+from gpu_serde.testing import ray_node_options
 from gpu_serde.wire import dev as rebuild_device
 
 pytest.importorskip("markdown_it", reason="the docs extra reads the README's code blocks")
@@ -43,13 +45,12 @@ def cluster(simulated_gpus):
     )
     nodes = {"a": [g[1], g[0]], "b": [g[2], g[3]]}
     for name, order in nodes.items():
-        declared = {u: 1 for u in order} if name == "a" else {}
+        declared = {resource_name(u): 1 for u in order} if name == "a" else {}
         c.add_node(
             num_cpus=2,
-            num_gpus=2,
             resources={f"node_{name}": 100, **declared},
             object_store_memory=80 * MiB,
-            env_vars={"CUDA_VISIBLE_DEVICES": ",".join(order)},
+            **ray_node_options(order),
         )
     gpu_serde.ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
     ids = {
@@ -132,10 +133,15 @@ def test_on_merges_a_runtime_env_and_refuses_another_gpu_in_it(cluster):
         gpu_serde.ray.on(Device(1), runtime_env={"env_vars": {"CUDA_VISIBLE_DEVICES": "0"}})
 
 
+def test_nodes_from_the_testing_helper_count_their_gpus_for_ray(cluster):
+    gpus = {n["NodeID"]: n["Resources"].get("GPU", 0) for n in ray.nodes() if n["Alive"]}
+    assert [gpus[cluster["ids"][name]] for name in ("a", "b")] == [2, 2]
+
+
 def test_exclusive_holds_the_gpus_resource_where_the_node_declares_it(cluster):
     uuid = cluster["uuids"][0]  # node a declares one resource per GPU
     options = gpu_serde.ray.on(Device(0), exclusive=True)
-    assert options["resources"] == {uuid: 1}
+    assert options["resources"] == {f"gpu_serde:{uuid}": 1}
     assert ray.get(where.options(**options).remote(Device(0)))[1] == uuid
 
 

@@ -74,3 +74,98 @@ def test_it_does_not_shadow_a_real_driver_unless_asked(tmp_path, monkeypatch):
     with pytest.raises(SimulatedDriverError, match="real CUDA driver"):
         child_env(GPUS, None, base={"LD_LIBRARY_PATH": str(tmp_path)})
     assert child_env(GPUS, None, allow_real_driver=True)["GPU_SERDE_SIM_GPUS"]
+
+
+# What is not simulated says so: the CUDA runtime, kernels and graphs fail with the driver's code for
+# a stub library, and the error names the call (docs/testing.md, "What works and what does not").
+NOT_SIMULATED = """
+import json, sys
+from cuda.core import Device, ObjectCode
+dev = Device(0)
+dev.set_current()
+PTX = b".version 8.0\\n.target sm_90\\n.address_size 64\\n.visible .entry k() { ret; }\\n"
+calls = {
+    "sync": dev.sync,
+    "pci_bus_id": lambda: dev.pci_bus_id,
+    "kernel": lambda: ObjectCode.from_ptx(PTX).get_kernel("k"),
+    "kernel again": lambda: ObjectCode.from_ptx(PTX).get_kernel("k"),
+    "graph": lambda: dev.create_graph_builder().begin_building(),
+}
+errors = {}
+for name, call in calls.items():
+    try:
+        call()
+        errors[name] = None
+    except Exception as exc:
+        errors[name] = f"{type(exc).__name__}: {exc}"
+print("RESULT " + json.dumps(errors))
+"""
+
+
+def run_not_simulated(extra_env: dict[str, str]) -> tuple[dict, str]:
+    import json
+    import subprocess
+    import sys
+
+    env = {**child_env(GPUS, None), **extra_env}
+    done = subprocess.run(
+        [sys.executable, "-c", NOT_SIMULATED], env=env, capture_output=True, text=True, timeout=120
+    )
+    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    assert lines, done.stderr
+    return json.loads(lines[0][len("RESULT ") :]), done.stderr
+
+
+@pytest.fixture(scope="module")
+def not_simulated() -> tuple[dict, str]:
+    return run_not_simulated({})
+
+
+@pytest.mark.parametrize("call", ["sync", "pci_bus_id"])
+def test_the_cuda_runtime_fails_as_a_stub_library(not_simulated, call):
+    errors, _ = not_simulated
+    assert errors[call].startswith("CUDAError: cudaErrorStubLibrary")
+
+
+@pytest.mark.parametrize(
+    ("call", "function"), [("kernel", "cuLibraryLoadData"), ("graph", "cuStreamBeginCapture")]
+)
+def test_a_call_that_is_not_simulated_names_itself(not_simulated, call, function):
+    errors, _ = not_simulated
+    assert errors[call].startswith(
+        f"CUDAError: CUDA_ERROR_STUB_LIBRARY (gpu_serde simulated GPU: {function} is not simulated; "
+        "docs/testing.md of gpu_serde says what is simulated)"
+    )
+
+
+def test_without_the_trace_the_simulated_driver_prints_nothing(not_simulated):
+    _, stderr = not_simulated
+    assert "gpu_serde simulated" not in stderr  # callers that try a call and carry on stay quiet
+
+
+def test_the_trace_has_a_line_for_every_failing_call():
+    _, stderr = run_not_simulated({"GPU_SERDE_SIM_TRACE": "1"})
+    traced = [
+        line for line in stderr.splitlines() if line.startswith("gpu_serde simulated driver:")
+    ]
+    assert (
+        traced.count("gpu_serde simulated driver: cuLibraryLoadData -> 34 CUDA_ERROR_STUB_LIBRARY")
+        == 2
+    )
+
+
+def test_a_driver_call_that_is_not_simulated_returns_the_stub_library_code(simulated_gpus):
+    from cuda.bindings import driver
+
+    assert driver.cuLibraryLoadData(b"\\0", None, None, 0, None, None, 0)[0] == (
+        driver.CUresult.CUDA_ERROR_STUB_LIBRARY
+    )
+
+
+def test_peers_are_not_accessible_and_pci_ids_find_their_device(simulated_gpus):
+    from cuda.bindings import driver
+    from cuda.core import Device
+
+    assert Device(0).can_access_peer(1) is False
+    err, dev = driver.cuDeviceGetByPCIBusId(simulated_gpus[2].pci_bus_id.encode())
+    assert (err, int(dev)) == (driver.CUresult.CUDA_SUCCESS, 2)

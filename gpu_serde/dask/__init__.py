@@ -1,7 +1,9 @@
 """Dask adapter: Devices resolve by UUID on every worker; buffers reach any worker, mapped on
 their host and by value beyond it.
 
-From a client::
+From a client:
+
+.. code-block:: python
 
     import gpu_serde.dask
     gpu_serde.dask.register(client)

@@ -1,9 +1,11 @@
 """Dask: send a task to a worker that sees its GPU (``gpu_serde.dask.on``).
 
 How workers say what they have: :class:`~gpu_serde.dask.GPUSerdePlugin` (and the
-``--preload``) publish, on each worker, one Dask *resource* named by the canonical UUID of the
-worker's own GPU (its device 0, the GPU dask-cuda gives it: dask-cuda rotates
-``CUDA_VISIBLE_DEVICES`` so each worker's device 0 is another GPU), with amount 1. A resource is
+``--preload``) publish, on each worker that sees a GPU, one Dask *resource* named
+``gpu_serde:GPU-<uuid>`` (:func:`gpu_serde.routing.resource_name`) for the worker's own GPU (its
+device 0, the GPU dask-cuda gives it: dask-cuda rotates ``CUDA_VISIBLE_DEVICES`` so each worker's
+device 0 is another GPU), with amount 1; it shows wherever the worker's resources are listed
+(docs/placement.md says so). A resource is
 the scheduler's own placement mechanism: ``on()`` reads every worker's resources in one
 ``scheduler_info`` call, the scheduler itself keeps the task off other workers, and a worker that
 restarts (a new address) publishes it again, so a waiting task still finds it. Workers that only
@@ -12,7 +14,8 @@ worker's view is fixed when it starts), only when no worker owns the GPU.
 
 What ``on()`` returns:
 
-- the GPU has an owner: ``{"resources": {uuid: 1}}``: the task runs on an owner and holds its
+- the GPU has an owner: ``{"resources": {"gpu_serde:GPU-...": 1}}``: the task runs on an owner
+  and holds its
   GPU: **one routed task at a time per GPU** (as ``dask worker --resources GPU=1`` does).
   ``exclusive=False`` gives ``{"workers": [owners], "allow_other_workers": False}`` instead:
   any number at once, and the task waits if those workers go away (their addresses change).
@@ -32,17 +35,17 @@ from distributed import get_client
 
 from gpu_serde.errors import DeviceNotVisibleError
 from gpu_serde.inventory import inventory
-from gpu_serde.routing import target_uuid
+from gpu_serde.routing import resource_name, target_uuid
 
 _lock = threading.Lock()
 _views: dict[tuple[str, str], tuple[list[str], str]] = {}  # (scheduler, worker) -> (uuids, why)
 
 
 def published() -> dict[str, float]:
-    """The resources this process publishes as a Dask worker: ``{uuid of device 0: 1}``, or
-    ``{}`` when it sees no GPU."""
+    """The resources this process publishes as a Dask worker: ``{"gpu_serde:<uuid of device 0>":
+    1}``, or ``{}`` when it sees no GPU."""
     devices = inventory().devices
-    return {devices[0].uuid: 1.0} if devices else {}
+    return {resource_name(devices[0].uuid): 1.0} if devices else {}
 
 
 def publish(worker: Any) -> Awaitable[None] | None:
@@ -121,7 +124,8 @@ def on(device: Any, client: Any = None, *, exclusive: bool = True) -> dict[str, 
             on that GPU (default); ``False`` restricts the task to the owners without holding it.
 
     Returns:
-        ``{"resources": {uuid: 1}}``, or ``{"workers": [...], "allow_other_workers": False}``
+        ``{"resources": {"gpu_serde:GPU-...": 1}}``, or
+        ``{"workers": [...], "allow_other_workers": False}``
         (see the module's docstring for which, and what each guarantees).
 
     Raises:
@@ -135,10 +139,11 @@ def on(device: Any, client: Any = None, *, exclusive: bool = True) -> dict[str, 
     if getattr(client, "asynchronous", False):
         raise TypeError("gpu_serde.dask.on() needs a synchronous Client (it asks the scheduler)")
     info: dict[str, Any] = client.scheduler_info(n_workers=-1)["workers"]
-    owners = sorted(a for a, w in info.items() if w.get("resources", {}).get(uuid, 0) >= 1)
+    name = resource_name(uuid)
+    owners = sorted(a for a, w in info.items() if w.get("resources", {}).get(name, 0) >= 1)
     if owners:
         if exclusive:
-            return {"resources": {uuid: 1}}
+            return {"resources": {name: 1}}
         return {"workers": owners, "allow_other_workers": False}
     views = _worker_views(client, sorted(info))
     seers = [a for a, (uuids, _) in views.items() if uuid in uuids]

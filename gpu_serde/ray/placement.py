@@ -19,10 +19,11 @@ So ``on(dev)`` returns ``num_gpus=0``, hard node affinity to the node whose GPUs
 and ``runtime_env={"env_vars": {"CUDA_VISIBLE_DEVICES": uuid, ...}}``: the task runs on that node
 and sees exactly that GPU, as its ``Device(0)``. What it does **not** give: Ray does not count
 the GPU as used (a ``num_gpus=1`` task may be given the same GPU at the same time);
-``ray.get_gpu_ids()`` is empty in it. ``exclusive=True`` adds ``resources={uuid: 1}``, which
-needs the node to declare a resource named by that UUID
-(``ray start --resources='{"GPU-…": 1}'``): then one routed task at a time holds the GPU (routed
-tasks only: Ray's own ``num_gpus`` accounting still ignores it).
+``ray.get_gpu_ids()`` is empty in it. ``exclusive=True`` adds
+``resources={"gpu_serde:GPU-…": 1}`` (:func:`gpu_serde.routing.resource_name`), which needs the
+node to declare that resource (``ray start --resources='{"gpu_serde:GPU-…": 1}'``): then one
+routed task at a time holds the GPU (routed tasks only: Ray's own ``num_gpus`` accounting still
+ignores it).
 
 Which node has which GPU: on first use of a node, one survey task runs there
 (hard affinity, ``num_gpus=0``, unmasked, in a worker of its own) and reports the GPUs the node's
@@ -42,7 +43,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from gpu_serde.errors import DeviceNotVisibleError, PlacementError
 from gpu_serde.inventory import inventory
-from gpu_serde.routing import target_uuid
+from gpu_serde.routing import resource_name, target_uuid
 
 UNMASK = {"RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}  # Ray < 2.60: don't blank num_gpus=0 tasks
 SURVEY_TIMEOUT_S = 120
@@ -157,8 +158,8 @@ def on(
         device: what the work is for: a Device, a placeholder, a device memory resource, a
             buffer, or a list of them on one GPU (:func:`gpu_serde.routing.target_uuid`).
         runtime_env: the task's own runtime_env, to merge the GPU's ``env_vars`` into.
-        exclusive: also hold ``resources={uuid: 1}``, so that one routed task at a time uses
-            the GPU; the node must declare that resource (``ray start --resources``).
+        exclusive: also hold ``resources={"gpu_serde:<uuid>": 1}``, so that one routed task at
+            a time uses the GPU; the node must declare that resource (``ray start --resources``).
 
     Returns:
         a dict of ``num_gpus`` (0), ``scheduling_strategy`` (a hard
@@ -194,12 +195,13 @@ def on(
         "runtime_env": env,
     }
     if exclusive:
-        if uuid not in node.declared:
+        name = resource_name(uuid)
+        if name not in node.declared:
             raise PlacementError(
                 f"on({uuid}, exclusive=True): node {node.node_id[:12]} ({node.address}) declares "
-                f"no resource named {uuid}, and Ray cannot hold one GPU by name otherwise (it "
-                f"counts GPUs). Start that node with ray start --resources='{{\"{uuid}\": 1}}', "
+                f"no resource named {name}, and Ray cannot hold one GPU by name otherwise (it "
+                f"counts GPUs). Start that node with ray start --resources='{{\"{name}\": 1}}', "
                 "or route without exclusive=True, or keep the GPU in one actor that owns it"
             )
-        options["resources"] = {uuid: 1}
+        options["resources"] = {name: 1}
     return options

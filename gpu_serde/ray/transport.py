@@ -10,7 +10,9 @@ when a task needs it. gpu_serde registers one for ``cuda.core.Buffer``, named :d
   actor's ``_ray_system`` concurrency group, whose result travels through Ray's object store) and
   uploads it to a pool of its own, on the same GPU if it sees it.
 
-Use it on actors declared with ``enable_tensor_transport=True``::
+Use it on actors declared with ``enable_tensor_transport=True``:
+
+.. code-block:: python
 
     @ray.remote(num_gpus=1, enable_tensor_transport=True)
     class Producer:

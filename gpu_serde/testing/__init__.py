@@ -15,10 +15,14 @@ pointer" is a host address. It keeps the CUDA rules on imports (importers free
 first, a destroyed pool's memory is gone) with the driver's error codes; :func:`violations` counts
 exporters that freed first. ``GPU_SERDE_SIM_TRACE=1`` prints every failing call.
 
-It does **not** simulate kernels (no CuPy or PyTorch work), the CUDA runtime (``Device.pci_bus_id``
-and ``Device.sync()`` fail), peer access between real devices (every "GPU" is host memory),
-managed memory, graphs, or timings (meaningless). docs/testing.md has the details and an example
-of testing a pipeline that passes buffers.
+It does **not** simulate kernels (no CuPy or PyTorch work), graphs, the CUDA runtime
+(``Device.sync()``, ``Device.pci_bus_id``), peer access (every "GPU" is host memory), managed
+memory or timings (meaningless). Each of those calls fails and names itself: a driver function it
+does not define returns ``CUDA_ERROR_STUB_LIBRARY`` (cuda.core's ``CUDAError`` then reads
+"gpu_serde simulated GPU: cuLibraryLoadData is not simulated; ..."), the CUDA runtime fails with
+``cudaErrorStubLibrary``, and the first such call of each kind says so on stderr. docs/testing.md
+says what works and what does not, and has an example of testing a pipeline that passes buffers.
+``gpu-serde simulate`` gives a shell the same GPUs.
 
 The stand-in NVML presents the same GPUs and, like the real NVML, ignores ``CUDA_VISIBLE_DEVICES``:
 it enumerates every GPU of the host in the list's order. It answers what Ray's GPU count, dask-cuda
@@ -51,6 +55,7 @@ __all__ = [
     "child_env",
     "driver_dir",
     "make_gpus",
+    "ray_node_options",
     "real_driver_present",
     "spec_cluster_options",
     "violations",
@@ -63,7 +68,7 @@ _HERE = Path(__file__).parent
 _LIBRARIES = {
     "libcuda.so.1": [
         _HERE / f"{name}.c"
-        for name in ("simdriver", "simctx", "simmem", "simipc", "simcopy", "simvmm")
+        for name in ("simdriver", "simctx", "simmem", "simipc", "simcopy", "simvmm", "simstub")
     ],
     "libnvidia-ml.so.1": [_HERE / "simnvml.c"],
 }
@@ -288,7 +293,7 @@ def spec_cluster_options(
     reaches it as it would reach another machine (by value, not mapped).
 
     Raises:
-        ImportError: distributed is not installed (``pip install 'gpu-serde[dask]'``).
+        ImportError: distributed is not installed (gpu_serde's ``dask`` extra).
     """
     from distributed import Nanny, Scheduler  # only for those who start a Dask cluster
 
@@ -301,3 +306,22 @@ def spec_cluster_options(
     }
     scheduler = {"cls": Scheduler, "options": {"host": host, "dashboard_address": ":0"}}
     return {"workers": workers, "scheduler": scheduler}
+
+
+def ray_node_options(
+    visible: str | Iterable[str | int], *, host: str | None = None
+) -> dict[str, Any]:
+    """Keyword arguments for ``ray.cluster_utils.Cluster().add_node(...)``: a node whose processes
+    see the GPUs ``visible`` (its ``CUDA_VISIBLE_DEVICES``: a string, or UUIDs/ordinals to join
+    with commas) and whose ``GPU`` resource counts them, so that ``num_gpus`` tasks run there.
+
+    ``add_node(env_vars={"CUDA_VISIBLE_DEVICES": ...})`` alone gives the node no ``GPU`` resource:
+    Ray counts a node's GPUs in the process that adds it, not from ``env_vars``. ``host`` gives
+    the node's processes another host identity (``GPU_SERDE_HOST_ID``, :mod:`gpu_serde.hostid`).
+    Merge your own options in: ``add_node(num_cpus=2, **ray_node_options(...))``.
+    """
+    value = visible if isinstance(visible, str) else ",".join(str(v) for v in visible)
+    env = {"CUDA_VISIBLE_DEVICES": value}
+    if host is not None:
+        env[HOST_ENV] = host
+    return {"num_gpus": len([e for e in value.split(",") if e.strip()]), "env_vars": env}

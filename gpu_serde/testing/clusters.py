@@ -24,7 +24,8 @@ try:
     import psutil
 except ImportError as exc:  # pragma: no cover - depends on the extras installed
     raise ImportError(
-        "gpu_serde.testing.clusters needs psutil: pip install 'gpu-serde[testing]'"
+        "gpu_serde.testing.clusters needs psutil: pip install 'psutil>=5.9' "
+        "(gpu_serde's [testing] extra)"
     ) from exc
 
 RAY_IP = "127.0.0.2"

@@ -7,8 +7,9 @@
  * ordinals or GPU-/MIG- UUIDs (full or a unique prefix, any case); the list stops at the first invalid
  * entry. This file holds device enumeration and identity, errors and cuGetProcAddress; contexts,
  * streams and events are in simctx.c, memory pools in simmem.c and their IPC in simipc.c, copies in
- * simcopy.c and virtual memory management in simvmm.c. There are no kernels, no modules and no
- * runtime export table.
+ * simcopy.c and virtual memory management in simvmm.c. Every other driver function resolves to a stub
+ * that returns CUDA_ERROR_STUB_LIBRARY and names itself (simstub.c): kernels, modules, graphs, and
+ * the CUDA runtime's export tables are not simulated.
  */
 #define _GNU_SOURCE
 #include <ctype.h>
@@ -246,6 +247,46 @@ CUresult cuDeviceGetAttribute(int *value, int attrib, CUdevice dev) {
     return SUCCESS;
 }
 
+/* Peer access is not simulated: every pair of GPUs says "no" (cuMemcpyPeer still copies). */
+CUresult cuDeviceCanAccessPeer(int *can, CUdevice dev, CUdevice peer) {
+    CUresult r = check(dev);
+    if (!r) r = check(peer);
+    if (r) return sim_fail(r, __func__);
+    if (!can) return sim_fail(INVALID_VALUE, __func__);
+    *can = 0;
+    return SUCCESS;
+}
+
+CUresult cuDeviceGetP2PAttribute(int *value, int attrib, CUdevice dev, CUdevice peer) {
+    (void)attrib;
+    CUresult r = check(dev);
+    if (!r) r = check(peer);
+    if (r) return sim_fail(r, __func__);
+    if (!value || dev == peer) return sim_fail(INVALID_DEVICE, __func__);
+    *value = 0;
+    return SUCCESS;
+}
+
+/* The device whose PCI bus id is "[domain]:[bus]:[device].[function]" (hex, any case). */
+CUresult cuDeviceGetByPCIBusId(CUdevice *dev, const char *pci) {
+    if (!initialized) return sim_fail(NOT_INITIALIZED, __func__);
+    if (!dev || !pci) return sim_fail(INVALID_VALUE, __func__);
+    unsigned dom, bus, devn, fn = 0, d2, b2, n2, f2;
+    int got = sscanf(pci, "%x:%x:%x.%x", &dom, &bus, &devn, &fn);
+    if (got < 3) { dom = 0; got = sscanf(pci, "%x:%x.%x", &bus, &devn, &fn) + 1; }
+    if (got < 3) return sim_fail(INVALID_VALUE, __func__);
+    for (int d = 0; d < n_visible; d++) {
+        f2 = 0;
+        const char *own = all_gpus[visible[d]].pci;
+        if (sscanf(own, "%x:%x:%x.%x", &d2, &b2, &n2, &f2) >= 3 && d2 == dom && b2 == bus && n2 == devn
+            && f2 == fn) {
+            *dev = d;
+            return SUCCESS;
+        }
+    }
+    return sim_fail(INVALID_DEVICE, __func__);
+}
+
 CUresult sim_check_device(CUdevice dev) { return check(dev); }
 int sim_device_count(void) { return n_visible; }
 const unsigned char *sim_device_uuid(CUdevice dev) { return all_gpus[visible[dev]].uuid; }
@@ -256,11 +297,16 @@ CUdevice sim_device_by_uuid(const unsigned char *uuid) {
     return -1;
 }
 
+static const char *err_name(CUresult e);
+
 /* GPU_SERDE_SIM_TRACE=1: every failing call says so on stderr. */
 CUresult sim_fail(CUresult code, const char *fn) {
     static int trace = -1;
     if (trace < 0) { const char *t = getenv("GPU_SERDE_SIM_TRACE"); trace = t && strcmp(t, "1") == 0; }
-    if (trace && code) fprintf(stderr, "gpu_serde simulated driver: %s -> %d\n", fn, code);
+    if (trace && code) {
+        const char *name = err_name(code);
+        fprintf(stderr, "gpu_serde simulated driver: %s -> %d %s\n", fn, code, name ? name : "");
+    }
     return code;
 }
 
@@ -269,6 +315,7 @@ static const char *err_name(CUresult e) {
     case SUCCESS: return "CUDA_SUCCESS";
     case INVALID_VALUE: return "CUDA_ERROR_INVALID_VALUE";
     case NOT_INITIALIZED: return "CUDA_ERROR_NOT_INITIALIZED";
+    case STUB_LIBRARY: return "CUDA_ERROR_STUB_LIBRARY";
     case NO_DEVICE: return "CUDA_ERROR_NO_DEVICE";
     case INVALID_DEVICE: return "CUDA_ERROR_INVALID_DEVICE";
     case INVALID_CONTEXT: return "CUDA_ERROR_INVALID_CONTEXT";
@@ -289,6 +336,7 @@ static const char *err_string(CUresult e) {
     case SUCCESS: return "no error";
     case INVALID_VALUE: return "invalid argument";
     case NOT_INITIALIZED: return "initialization error";
+    case STUB_LIBRARY: return "CUDA driver is a stub library (gpu_serde simulated driver: this call is not simulated)";
     case NO_DEVICE: return "no CUDA-capable device is detected";
     case INVALID_DEVICE: return "invalid device ordinal";
     case INVALID_CONTEXT: return "invalid device context";
@@ -306,7 +354,8 @@ static const char *err_string(CUresult e) {
 
 CUresult cuGetErrorName(CUresult e, const char **s) {
     if (!s) return INVALID_VALUE;
-    *s = err_name(e);
+    /* right after a call that is not simulated, its name (cuda.core's CUDAError shows this text) */
+    *s = e == STUB_LIBRARY && sim_stub_label() ? sim_stub_label() : err_name(e);
     return *s ? SUCCESS : INVALID_VALUE;
 }
 
@@ -323,6 +372,7 @@ CUresult cuGetErrorString(CUresult e, const char **s) {
 #undef SYM
 #undef OWN
 CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64_t flags, int *status);
+CUresult cuGetExportTable(const void **table, const CUuuid *id);
 struct sym { const char *name; void *fn; };
 static const struct sym symbols[] = {
 #define SYM(name, fn) {#name, (void *)fn},
@@ -332,6 +382,8 @@ static const struct sym symbols[] = {
 #undef OWN
     /* cuda-bindings 12.9.0 re-reads its own entry point through itself (CUDA version 12000) */
     {"cuGetProcAddress", (void *)cuGetProcAddress_v2},
+    /* the CUDA runtime's start (simstub.c: not simulated) */
+    {"cuGetExportTable", (void *)cuGetExportTable},
     {NULL, NULL},
 };
 
@@ -345,9 +397,14 @@ CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, uint64
             return SUCCESS;
         }
     }
-    *pfn = NULL;
+    /* any other name: a stub that says it is not simulated (simstub.c) */
+    *pfn = sim_stub(symbol);
+    if (*pfn) {
+        if (status) *status = 0;
+        return SUCCESS;
+    }
     if (status) *status = 1;          /* CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND */
-    return NOT_FOUND;
+    return sim_fail(NOT_FOUND, symbol[0] ? symbol : "cuGetProcAddress");
 }
 
 CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, uint64_t flags) {

@@ -1,5 +1,6 @@
 /*
- * Shared declarations of gpu_serde's stand-in CUDA driver (simdriver.c, simctx.c, simmem.c, simvmm.c).
+ * Shared declarations of gpu_serde's stand-in CUDA driver (simdriver.c, simctx.c, simmem.c, simipc.c,
+ * simcopy.c, simvmm.c, simstub.c).
  */
 #ifndef GPU_SERDE_SIMDRIVER_H
 #define GPU_SERDE_SIMDRIVER_H
@@ -37,7 +38,8 @@ typedef struct {
 } CUmemAllocationProp;
 
 enum {
-    SUCCESS = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NOT_INITIALIZED = 3, NO_DEVICE = 100,
+    SUCCESS = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NOT_INITIALIZED = 3, STUB_LIBRARY = 34,
+    NO_DEVICE = 100,
     INVALID_DEVICE = 101, INVALID_CONTEXT = 201, CONTEXT_ALREADY_CURRENT = 202, ALREADY_MAPPED = 208,
     INVALID_HANDLE = 400, NOT_FOUND = 500, NOT_READY = 600, NOT_SUPPORTED = 801, NOT_PERMITTED = 800,
 };
@@ -53,6 +55,10 @@ int sim_device_count(void);
 const unsigned char *sim_device_uuid(CUdevice dev);
 CUdevice sim_device_by_uuid(const unsigned char *uuid);  /* -1 when not visible here */
 CUresult sim_fail(CUresult code, const char *fn);          /* returns code; traces it */
+
+/* simstub.c: what is not simulated */
+void *sim_stub(const char *symbol);      /* a stub returning CUDA_ERROR_STUB_LIBRARY, or NULL */
+const char *sim_stub_label(void);        /* this thread's last stub, as cuGetErrorName shows it */
 
 /* simctx.c */
 CUcontext sim_current_ctx(void);

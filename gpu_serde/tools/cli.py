@@ -28,6 +28,18 @@ exit status: 0 when every expected worker answered and nothing was flagged; 1 on
 (no worker, fewer than --expect, gpu_serde missing somewhere, a GPU claimed twice); 2 when the
 cluster cannot be reached or an extra is missing.
 """
+SIMULATE_EXAMPLES = """\
+examples:
+  eval "$(gpu-serde simulate 4)"          # this shell and what it starts: four simulated GPUs
+  gpu-serde devices                       # ... now lists them
+  dask worker tcp://127.0.0.1:8786 --preload gpu_serde.dask   # ... and so does this worker
+  eval "$(gpu-serde simulate --off)"      # back to the shell as it was
+  gpu-serde simulate 2 -- python -m pytest tests/   # one command only
+
+The GPUs are the same ones on every call with the same count (the UUIDs that the README, the
+demo and the pytest fixture show). CUDA_VISIBLE_DEVICES is left as it is: set it per command to
+let one process see fewer GPUs, or a different order.
+"""
 DEMO_EXAMPLES = """\
 examples:
   gpu-serde demo
@@ -57,6 +69,11 @@ def _devices(args: argparse.Namespace) -> int:
         return 0
     print(f"host {inv.host}, pid {os.getpid()}")
     print(inv.describe())
+    if not inv.devices and inv.reason.startswith("no CUDA driver"):
+        print(
+            f'no GPU here? simulated ones need no driver: eval "$({PROG} simulate 4)", then run '
+            f"this again (docs/testing.md)"
+        )
     return 0
 
 
@@ -86,6 +103,51 @@ def _demo(args: argparse.Namespace) -> int:
     return run(args.engine)
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    import shlex
+
+    from gpu_serde import testing
+
+    kept = [
+        p
+        for p in os.environ.get("LD_LIBRARY_PATH", "").split(":")
+        if p and not os.path.basename(p.rstrip("/")).startswith("simdriver-")
+    ]
+    if args.off:
+        if args.command_line:
+            return _fail("simulate --off runs no command")
+        print("# gpu_serde: no simulated GPUs in this shell any more")
+        print(
+            f"export LD_LIBRARY_PATH={shlex.quote(':'.join(kept))}"
+            if kept
+            else "unset LD_LIBRARY_PATH"
+        )
+        print(f"unset {testing.SPEC_ENV}")
+        return 0
+    base = {**os.environ, "LD_LIBRARY_PATH": ":".join(kept)}
+    try:
+        env = testing.child_env(
+            testing.make_gpus(args.count),
+            os.environ.get("CUDA_VISIBLE_DEVICES"),  # left as it is
+            base=base,
+            allow_real_driver=args.allow_real_driver,
+        )
+    except testing.SimulatedDriverError as exc:
+        return _fail(f"simulate: {exc}")
+    command = args.command_line[1:] if args.command_line[:1] == ["--"] else args.command_line
+    if command:
+        sys.stdout.flush()
+        try:
+            os.execvpe(command[0], command, env)  # this process becomes the command
+        except OSError as exc:
+            return _fail(f"simulate: cannot run {command[0]!r}: {exc}")
+    print(f"# gpu_serde: {args.count} simulated GPUs for this shell and what it starts")
+    print(f'# (undo: eval "$({PROG} simulate --off)"; docs/testing.md)')
+    for key in ("LD_LIBRARY_PATH", testing.SPEC_ENV):
+        print(f"export {key}={shlex.quote(env[key])}")
+    return 0
+
+
 def _fail(text: str) -> int:
     print(f"{PROG}: {text}", file=sys.stderr)
     return 2
@@ -95,6 +157,13 @@ def _non_negative(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
+def _positive_count(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 64:
+        raise argparse.ArgumentTypeError(f"must be 1 to 64 GPUs, not {value}")
     return value
 
 
@@ -109,7 +178,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Send cuda.core GPU objects between processes by GPU UUID: inspect this "
-        "process's GPUs, check a running Ray or Dask cluster, or watch a demo.",
+        "process's GPUs, check a running Ray or Dask cluster, watch a demo, or simulate GPUs.",
         epilog="run 'gpu-serde COMMAND --help' for each command's options and examples",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -176,6 +245,37 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--engine", choices=["dask", "ray"], default="dask")
     p.set_defaults(func=_demo)
+
+    p = command(
+        "simulate",
+        "simulated GPUs for a shell, a CLI cluster or a test run (no GPU needed)",
+        "Print shell commands that give this shell, and every process it starts (gpu-serde "
+        "devices, dask worker, ray start, pytest), COUNT simulated GPUs: gpu_serde's stand-in "
+        "CUDA driver and NVML (built with the C compiler on first use). With a command after "
+        "'--', run only that command on them. Refuses where a real CUDA driver is found.",
+        SIMULATE_EXAMPLES,
+    )
+    p.add_argument(
+        "count",
+        type=_positive_count,
+        nargs="?",
+        default=4,
+        metavar="COUNT",
+        help="how many simulated GPUs (default 4)",
+    )
+    p.add_argument("--off", action="store_true", help="print the commands that undo it")
+    p.add_argument(
+        "--allow-real-driver",
+        action="store_true",
+        help="shadow a real CUDA driver found here (refused by default)",
+    )
+    p.add_argument(
+        "command_line",
+        nargs=argparse.REMAINDER,
+        metavar="-- COMMAND ...",
+        help="run this command on the simulated GPUs instead of printing",
+    )
+    p.set_defaults(func=_simulate)
     return parser
 
 
@@ -192,8 +292,22 @@ def main(argv: list[str] | None = None) -> int:
             raise
         return _fail(
             f"{args.command} needs {top}, which is not installed here: "
-            f"pip install 'gpu-serde[{EXTRAS[top]}]'"
+            f"pip install {_extra_requirements(EXTRAS[top])} (gpu_serde's [{EXTRAS[top]}] extra)"
         )
+
+
+def _extra_requirements(extra: str) -> str:
+    """What gpu_serde's ``extra`` brings, quoted for a shell (from the installed metadata)."""
+    import shlex
+    from importlib import metadata
+
+    try:
+        requires = metadata.requires("gpu-serde") or []
+    except metadata.PackageNotFoundError:  # pragma: no cover - run from a bare checkout
+        requires = []
+    marker = f'extra == "{extra}"'
+    found = [r.split(";")[0].strip() for r in requires if marker in r.replace("'", '"')]
+    return " ".join(shlex.quote(r.replace(" ", "")) for r in found) or extra
 
 
 if __name__ == "__main__":  # pragma: no cover

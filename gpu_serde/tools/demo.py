@@ -39,7 +39,7 @@ def _prepare() -> tuple[list[str], bool]:
     from gpu_serde.inventory import inventory
 
     if not testing.real_driver_present():
-        gpus = testing.make_gpus(4, seed="demo")
+        gpus = testing.make_gpus(4)  # the README's, the pytest fixture's, `gpu-serde simulate 4`'s
         testing.activate(gpus)
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         _say("No CUDA driver here: running on 4 SIMULATED GPUs (gpu_serde.testing).")
@@ -195,6 +195,12 @@ def _table(rows: list[Row]) -> None:
             continue
         short = ",".join(e[:12] for e in cvd.split(",")) if cvd != "unset" else cvd
         _say(f"{name:<10} {short:<44} {ordinal:>7}  {what}")
+    routed = [name for name, (status, *_) in rows if name.startswith("on() ") and status == "ok"]
+    if routed:
+        _say(
+            f"({routed[0]}: {routed[0].split()[1][:-1]} of the {ROUTED_TASKS} tasks routed with "
+            "on() ran there, which is where that GPU is, and each resolved the Device to it)"
+        )
 
 
 def _errors(rows: list[Row]) -> None:

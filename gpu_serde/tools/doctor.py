@@ -10,9 +10,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
+import sys
+import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from gpu_serde.routing import ownership_notes
@@ -147,7 +152,7 @@ def _flag_shared(reports: list[WorkerReport], what: str, *, primary_only: bool) 
 def _this_process() -> WorkerReport:
     """The calling process, as a client of the cluster (reported, never flagged: the doctor's
     own process is not the user's client or driver)."""
-    return _report("this process (client)", probe(), role="client")
+    return _report("this process (the doctor's client)", probe(), role="client")
 
 
 def _count_problem(survey: Survey, what: str) -> None:
@@ -199,6 +204,121 @@ def _alive_nodes(ray: Any, expect: int, timeout: float) -> list[dict[str, Any]]:
         time.sleep(0.5)
 
 
+#: Ray's token authentication (Ray 2.60): the mode, and where a client reads its token.
+AUTH_MODE = "RAY_AUTH_MODE"
+AUTH_TOKEN = "RAY_AUTH_TOKEN"
+AUTH_TOKEN_PATH = "RAY_AUTH_TOKEN_PATH"
+
+
+def ray_token_source(env: dict[str, str] | None = None) -> str | None:
+    """Where a Ray client in this environment reads its authentication token (``RAY_AUTH_TOKEN``,
+    the file ``RAY_AUTH_TOKEN_PATH`` names, or ``~/.ray/auth_token``), or None when it has none."""
+    env = dict(os.environ if env is None else env)
+    if env.get(AUTH_TOKEN):
+        return AUTH_TOKEN
+    path = env.get(AUTH_TOKEN_PATH)
+    if path:
+        return path if os.path.isfile(path) else None
+    default = Path.home() / ".ray" / "auth_token"
+    return str(default) if default.is_file() else None
+
+
+def _use_ray_token() -> str | None:
+    """Turn Ray's token authentication on for this process when the user left ``RAY_AUTH_MODE``
+    unset and a token is at hand, as ``ray start --head`` does for the cluster; return where the
+    token comes from. Ray's ``ray.init(address=...)`` never does this by itself, so without it a
+    plain ``ray start --head`` (token authentication on) refuses the doctor. A cluster without
+    authentication accepts such a client as well. Ray reads the mode when it is imported: this
+    runs before ``import ray``."""
+    source = ray_token_source()
+    if source and AUTH_MODE not in os.environ and "ray" not in sys.modules:
+        os.environ[AUTH_MODE] = "token"
+    return source
+
+
+def _check_listening(address: str, timeout: float) -> None:
+    """Fail at once when nothing listens at a ``host:port`` address (Ray itself would retry for
+    two minutes)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "/" in address:
+        return  # "auto", "ray://...", ...: Ray's own lookup
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=min(timeout, 5)):
+            pass
+    except OSError as exc:
+        raise ConnectionError(
+            f"nothing answers there ({exc.strerror or exc}): is the cluster running? "
+            "`ray start --head` prints its address (host:port of the GCS, port 6379 unless "
+            "--port says otherwise)"
+        ) from None
+
+
+@contextlib.contextmanager
+def _stderr_to(path: str) -> Iterator[None]:
+    """Send this process's file descriptor 2 (where Ray's C++ core logs) to ``path`` for a while."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(path, "wb") as f:
+            os.dup2(f.fileno(), 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _why_ray_refused(exc: BaseException, said: str, source: str | None) -> str:
+    """Why connecting to a Ray cluster failed (``said``: what Ray logged), and what to do."""
+    get = (
+        "run `ray get-auth-token` on the cluster's head node and put what it prints in "
+        "~/.ray/auth_token here (or in RAY_AUTH_TOKEN), then run the doctor again"
+    )
+    mode = os.environ.get(AUTH_MODE, "")
+    if "InvalidAuthToken" in said or "Unauthenticated" in said:
+        if mode.lower() == "disabled":
+            return (
+                "the cluster uses Ray's token authentication, and RAY_AUTH_MODE=disabled here "
+                "sends no token: unset RAY_AUTH_MODE (the doctor then uses the token it finds), "
+                "or set it to token"
+            )
+        if source is None:
+            return (
+                "the cluster uses Ray's token authentication (Ray 2.60's `ray start --head` turns "
+                f"it on when the head has a token), and this process has no token: {get}"
+            )
+        return f"the cluster refused the Ray token from {source}: it is not the cluster's: {get}"
+    if type(exc).__name__ == "AuthenticationError":
+        return f"Ray's token authentication is on here ({AUTH_MODE}=token) but no token: {get}"
+    lines = [x.strip() for x in said.splitlines() if " E " in x or " W " in x]
+    last = f"; Ray said: {lines[-1].split('] ', 1)[-1]}" if lines else ""
+    return f"Ray could not connect: {exc}{last}"
+
+
+def _connect_ray(address: str, extra: dict[str, Any], timeout: float, source: str | None) -> None:
+    """``gpu_serde.ray.init`` to the cluster at ``address``, quietly; a failure says why
+    (``source``: where this process's Ray token comes from, :func:`ray_token_source`).
+
+    Raises:
+        ConnectionError: nothing listens there, or Ray refused (token authentication: what to
+            do), or could not connect (what Ray said).
+    """
+    _check_listening(address, timeout)
+    import gpu_serde.ray
+
+    with tempfile.TemporaryDirectory(prefix="gpu-serde-doctor-") as tmp:
+        log = os.path.join(tmp, "ray.log")
+        failure: BaseException | None = None
+        with _stderr_to(log):
+            try:
+                gpu_serde.ray.init(address=address, log_to_driver=False, **extra)
+            except Exception as exc:  # what Ray raises varies: ConnectionError, AuthenticationError
+                failure = exc
+        if failure is not None:
+            said = Path(log).read_text(errors="replace")
+            raise ConnectionError(_why_ray_refused(failure, said, source)) from failure
+
+
 def survey_ray(
     address: str, node_ip_address: str | None = None, timeout: float = 120, expect: int = 0
 ) -> Survey:
@@ -209,20 +329,32 @@ def survey_ray(
     machine's address as the cluster knows it (Ray's ``_node_ip_address``), where Ray cannot
     tell by itself (a cluster on a loopback address other than 127.0.0.1).
 
+    Ray's token authentication: with ``RAY_AUTH_MODE`` unset and a token at hand
+    (:func:`ray_token_source`), the doctor connects with it, as ``ray start --head`` does.
+
     Raises:
-        ConnectionError: no Ray cluster answers at ``address``.
+        ConnectionError: no Ray cluster answers at ``address``, or it refused this process (the
+            message says why and what to do).
     """
+    me = _this_process()
+    source = _use_ray_token()  # before Ray is imported: it reads the mode then
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    import gpu_serde
-    import gpu_serde.ray
-
-    me = _this_process()
-    extra = {"_node_ip_address": node_ip_address} if node_ip_address else {}
     connected = ray.is_initialized()  # called from a driver: survey its own cluster
     if not connected:
-        gpu_serde.ray.init(address=address, log_to_driver=False, **extra)
+        extra = {"_node_ip_address": node_ip_address} if node_ip_address else {}
+        try:
+            _connect_ray(address, extra, timeout, source)
+        except ConnectionError:
+            if not me.installed:
+                import gpu_serde
+
+                gpu_serde.uninstall()  # gpu_serde.ray.init installed it before Ray refused
+            raise
+
+    import gpu_serde
+
     try:
         task = ray.remote(max_retries=0)(probe)
         refs = {}
@@ -272,7 +404,11 @@ def render(survey: Survey) -> str:
     for r in survey.reports:
         cvd = "unset" if r.cuda_visible_devices is None else quoted(r.cuda_visible_devices)
         if r.role == "client":  # the caller: the doctor's own process, or a driver that asked
-            state = "gpu_serde " + ("installed" if r.installed else "not installed") + " here"
+            state = f"gpu_serde {safe(r.version)}" + (
+                ", installed (sends Devices by UUID)"
+                if r.installed
+                else " (not installed: this process sends no Device; only its peers must)"
+            )
         else:
             installed = f"gpu_serde {safe(r.version)} installed"
             state = installed if r.installed else "gpu_serde NOT installed"
