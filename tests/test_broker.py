@@ -559,3 +559,25 @@ def test_a_peer_that_trickles_its_request_is_cut_off_at_one_deadline(monkeypatch
         assert sent < 17  # ... before the trickled request was complete
     finally:
         b.close()
+
+
+def test_an_object_sent_again_after_its_last_release_waits_for_the_new_payload():
+    b = Broker()
+    let_go = []
+    try:
+        obj = ["a block"]
+        token = b.hold(obj, let_go.append, grace=0.2)
+        acquire(b.address, token)
+        assert b.sent_again(token, obj)  # a second payload, not yet acquired (in an object store)
+        assert release(b.address, token)  # the first importer lets go
+        time.sleep(0.6)  # longer than the grace: kept for the payload still on its way
+        assert let_go == [] and b.peek(token) is obj
+        acquire(b.address, token)  # the second payload arrives
+        assert release(b.address, token)
+        deadline = time.monotonic() + 3
+        while not let_go and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert let_go == [obj]
+        assert not b.sent_again(token, obj)  # let go: a new send takes a new hold
+    finally:
+        b.close()

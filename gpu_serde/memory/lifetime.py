@@ -6,7 +6,9 @@ pinned, VMM, arena, and the tensor kinds to come).
 travelling as the payload it was first sent with while that hold lasts, so sending it again costs
 nothing. The broker owns the holds: each belongs to the importing process that acquired it, is
 released only by that process, and is dropped when that process's connection closes (it exited or
-was killed). An object whose holds are all gone is let go :data:`RELEASE_GRACE_S` seconds later.
+was killed). An object whose holds are all gone is let go :data:`RELEASE_GRACE_S` seconds later,
+unless it was sent since its last acquire: a payload not yet acquired keeps it (a payload may
+wait in Ray's object store, or in a Dask graph, longer than the grace period).
 **A sender never fails**: a buffer that cannot be sent (closed, and no longer held) raises
 :class:`~gpu_serde.HandoffError` here, which the reducers turn into a payload that raises the same
 error in the receiver, when the buffer is used (:mod:`gpu_serde.memory.unsent`).
@@ -135,7 +137,7 @@ def send(
         if not buf.handle:
             return sent_closed(buf)
         sent = _sent.get(id(buf))
-        if sent is None or _broker.broker().peek(sent.token) is not buf:  # first time, or let go
+        if sent is None or not _broker.broker().sent_again(sent.token, buf):  # new, or let go
             token, payload = make()
             if id(buf) not in _sent:
                 weakref.finalize(buf, _sent.pop, id(buf), None)
@@ -153,7 +155,8 @@ def sent_closed(buf: Buffer) -> tuple[Any, ...]:
     """
     with lock:
         sent = _sent.get(id(buf))
-        if sent is not None and sent.survives_close and _broker.broker().peek(sent.token) is buf:
+        b = _broker.broker()
+        if sent is not None and sent.survives_close and b.sent_again(sent.token, buf):
             return sent.reduction
     if sent is None:
         why = "before it was sent"

@@ -247,6 +247,8 @@ def share(x: Any) -> Shared:
                 driver.cuMemcpyDtoDAsync(int(buf.handle) + skip, base + skip, nbytes, current),
             )
         follow(ordinal, current, stream)
+    else:  # an empty tensor: nothing to copy, nothing to say
+        return Shared(buf, meta, False, library, ordinal, stream)
     warnings.warn(
         SharedCopyWarning(
             f"gpu_serde.share() copied a {NAMES[library]} of {nbytes:,} bytes into gpu_serde "

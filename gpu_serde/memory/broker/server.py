@@ -66,6 +66,7 @@ class _Hold:
     grace: float
     holders: dict[int, int] = field(default_factory=dict)  # connection id -> holds over it
     due: float | None = None  # monotonic time to let go (its holders all gone), else None
+    unclaimed: bool = True  # sent since its last acquire: kept until the next one
 
 
 class Broker:
@@ -136,7 +137,8 @@ class Broker:
         block is refused. Once every process that acquired it has released it (or its connection
         closed), the broker waits ``grace`` seconds (a new acquire in that time keeps it), then
         drops it and calls ``on_release(obj)`` in the broker's release thread (a slow callback
-        delays no reply). An object never acquired is kept until :meth:`close` or exit.
+        delays no reply). An object never acquired (or sent again, :meth:`sent_again`, and not
+        acquired since) is kept until :meth:`close` or exit.
         """
         token = secrets.token_bytes(TOKEN_BYTES)
         with self._lock:
@@ -144,6 +146,18 @@ class Broker:
                 raise RuntimeError("the descriptor broker is closed")
             self._holds[token] = _Hold(obj, block, on_release, grace)
         return token
+
+    def sent_again(self, token: bytes, obj: object) -> bool:
+        """``obj``, held under ``token``, was sent again: keep it until that payload is acquired,
+        as a hold that was never acquired (a payload may wait in Ray's object store, or in a
+        Dask graph, longer than the grace period). False when ``token`` no longer holds ``obj``
+        (send it under a new hold)."""
+        with self._lock:
+            entry = self._holds.get(token)
+            if entry is None or entry.obj is not obj:
+                return False
+            entry.unclaimed, entry.due = True, None
+            return True
 
     def peek(self, token: bytes) -> object | None:
         """The object held under ``token``, or None."""
@@ -174,7 +188,7 @@ class Broker:
             if entry.block != ANY and entry.block != block:
                 return MISMATCH
             entry.holders[conn] = entry.holders.get(conn, 0) + 1
-            entry.due = None
+            entry.due, entry.unclaimed = None, False
             tokens = self._held_over.setdefault(conn, {})
             tokens[token] = tokens.get(token, 0) + 1
         return OK
@@ -205,7 +219,7 @@ class Broker:
             entry.holders[conn] = count
         else:
             entry.holders.pop(conn, None)
-        if not entry.holders:
+        if not entry.holders and not entry.unclaimed:
             entry.due = time.monotonic() + entry.grace
 
     def _connection_gone(self, conn: int) -> None:
