@@ -45,6 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from cuda.bindings import driver as cuda_driver
 from cuda.core import Buffer, Device, EventOptions, MemoryResource, Stream
 
 from gpu_serde import inventory as _inventory
@@ -377,10 +378,9 @@ def _tell(event: object, address: str, token: bytes, device: int) -> None:
         if event is WHOLE_DEVICE:
             raise LookupError  # no stream says when the work on it is done: the whole device
         event.sync()  # type: ignore[attr-defined]  # the event follows the free on its stream
-    except Exception:
-        with contextlib.suppress(Exception):
-            Device(device).set_current()
-            Device(device).sync()
+    except Exception:  # the whole device, through the driver (Device.sync() is the runtime's)
+        with contextlib.suppress(Exception), _driver.context(device):
+            _driver.check("cuCtxSynchronize", cuda_driver.cuCtxSynchronize())
     _broker.release(address, token)
 
 
