@@ -581,3 +581,41 @@ def test_an_object_sent_again_after_its_last_release_waits_for_the_new_payload()
         assert not b.sent_again(token, obj)  # let go: a new send takes a new hold
     finally:
         b.close()
+
+
+SLOW_BROKER = """
+import sys, time
+from gpu_serde.memory.broker import server
+b = server.Broker()
+acquire = b._acquire
+def slow(conn, token, block):
+    if token == bytes(range(16)):
+        time.sleep(1.5)  # the exporter is busy (a long C call, a full collection)
+    return acquire(conn, token, block)
+b._acquire = slow
+kept = b.hold("in use", lambda obj: print("let go", flush=True), grace=0.1)
+slow_token = b.hold("another", lambda obj: None, grace=0.1)
+b._holds[bytes(range(16))] = b._holds.pop(slow_token)
+print(b.address, kept.hex(), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_an_answer_that_comes_late_loses_no_hold_the_process_has():
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLOW_BROKER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        address, kept = proc.stdout.readline().split()
+        acquire(address, bytes.fromhex(kept))  # a block this process is using
+        with pytest.raises(ExporterGoneError, match="did not answer"):
+            acquire(address, bytes(range(16)), timeout=0.3)  # the exporter answers late
+        time.sleep(1.5)  # its answer comes; the connection (and the hold on it) was kept
+        assert release(address, bytes.fromhex(kept))  # the hold was still this process's
+        assert broker_client.holds(address) == 0  # the late acquire was given back
+    finally:
+        proc.stdin.close()
+        proc.wait(10)

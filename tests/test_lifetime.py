@@ -421,3 +421,18 @@ def test_a_killed_ray_actor_gives_its_holds_back(exporter, tier, ray_session):
     os.kill(got["pid"], signal.SIGKILL)
     assert wait_until(exporter.all_back, timeout=GRACE + BOUND)
     assert holders() == {}
+
+
+def test_a_portable_buffer_that_cannot_be_copied_travels_as_the_reason(exporter, tier, monkeypatch):
+    from gpu_serde.memory import bycopy
+
+    buf = exporter.allocate(tier.size)
+    with monkeypatch.context() as m:
+        m.setattr(bycopy, "host_memory_available", lambda: 1000)  # host memory is "full"
+        got = pickle.loads(pickle.dumps(gpu_serde.portable(buf)))  # the sender never fails
+    with pytest.raises(gpu_serde.HostCopyError, match="1000 available"):
+        gpu_serde.resolve(got)
+    buf.close()
+    got = pickle.loads(pickle.dumps(gpu_serde.portable(buf)))  # closed: no copy can be made
+    with pytest.raises(gpu_serde.HandoffError, match="closed"):
+        gpu_serde.resolve(got)

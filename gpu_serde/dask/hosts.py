@@ -123,35 +123,37 @@ async def _read(scheduler: Any) -> dict[str, Any]:
 
 class HostTablePlugin(SchedulerPlugin):
     """Scheduler plugin: the cluster's table forgets a worker or a client when it leaves (a
-    worker killed without a word too), and entries of processes already gone when it starts."""
+    worker killed without a word too). At every worker or client that comes or goes it also drops
+    the entries of processes the scheduler does not know (one that published and died before it
+    registered); a live one that published before it registered publishes again within
+    :data:`REFRESH_S` (:func:`follow`)."""
 
     idempotent = True
     name = "gpu_serde-hosts"
 
-    def __init__(self) -> None:
-        self._scheduler: Any = None
-
     async def start(self, scheduler: Any) -> None:
         """Drop the entries of processes that left before the plugin was there."""
-        self._scheduler = scheduler
+        self._prune(scheduler)
+
+    @staticmethod
+    def _prune(scheduler: Any, gone: str = "") -> None:
         table = scheduler.task_metadata.get(TABLE_KEY)
         if isinstance(table, dict):
-            alive = set(scheduler.workers) | {f"client {c}" for c in scheduler.clients}
-            for name in [n for n in table if n not in alive]:
+            known = set(scheduler.workers) | {f"client {c}" for c in scheduler.clients}
+            for name in [n for n in table if n not in known or n == gone]:
                 table.pop(name, None)
 
-    def _forget(self, scheduler: Any, name: str) -> None:
-        table = scheduler.task_metadata.get(TABLE_KEY)
-        if isinstance(table, dict):
-            table.pop(name, None)
+    def add_worker(self, scheduler: Any, worker: str) -> None:
+        """A worker came: drop the entries of processes the scheduler does not know."""
+        self._prune(scheduler)
 
     def remove_worker(self, scheduler: Any, worker: str, **kwargs: Any) -> None:
         """A worker left (closed, killed, retired): forget its host."""
-        self._forget(scheduler, worker)
+        self._prune(scheduler, worker)
 
     def remove_client(self, scheduler: Any, client: str) -> None:
         """A client left: forget its host."""
-        self._forget(scheduler, f"client {client}")
+        self._prune(scheduler, f"client {client}")
 
 
 async def _register_table_plugin(scheduler: Any) -> None:
@@ -184,22 +186,25 @@ async def join(scheduler: Any, name: str) -> None:
             table.update(await _read(scheduler))
 
 
-async def follow(scheduler: Any, alive: Callable[[], bool]) -> None:
-    """Read the scheduler's table every :data:`REFRESH_S` while ``alive()``; a failed read is
-    tried again at the next turn."""
+async def follow(scheduler: Any, name: str, alive: Callable[[], bool]) -> None:
+    """Every :data:`REFRESH_S` while ``alive()``: publish this process's entry again (the
+    scheduler may have pruned it: :class:`HostTablePlugin`) and read the scheduler's table; a
+    failed turn is tried again at the next."""
+    own = host_id().hex()
     while alive():
         await asyncio.sleep(REFRESH_S)
         if not alive():
             return
         with contextlib.suppress(Exception):
+            await scheduler.set_metadata(keys=[TABLE_KEY, name], value=own)
             table.update(await _read(scheduler))
 
 
 _following: set[asyncio.Future[None]] = set()
 
 
-def start_following(scheduler: Any, alive: Callable[[], bool]) -> None:
+def start_following(scheduler: Any, name: str, alive: Callable[[], bool]) -> None:
     """Run :func:`follow` on the running event loop (a task kept until it ends)."""
-    task = asyncio.ensure_future(follow(scheduler, alive))
+    task = asyncio.ensure_future(follow(scheduler, name, alive))
     _following.add(task)
     task.add_done_callback(_following.discard)

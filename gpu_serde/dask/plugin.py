@@ -79,7 +79,7 @@ async def _setup_worker(worker: Any) -> None:
     if published is not None:
         await published
     await hosts.join(worker.scheduler, worker.address)
-    hosts.start_following(worker.scheduler, _worker_alive(worker))
+    hosts.start_following(worker.scheduler, worker.address, _worker_alive(worker))
 
 
 class GPUSerdePlugin(WorkerPlugin):
@@ -128,9 +128,10 @@ def register(client: Any) -> Awaitable[None] | None:
 
 
 async def _join_client(client: Any) -> None:
-    await hosts.join(client.scheduler, f"client {client.id}")
+    name = f"client {client.id}"
+    await hosts.join(client.scheduler, name)
     alive = lambda: client.status not in ("closing", "closed")  # noqa: E731
-    hosts.start_following(client.scheduler, alive)
+    hosts.start_following(client.scheduler, name, alive)
 
 
 async def _register_async(client: Any) -> None:

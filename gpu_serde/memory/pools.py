@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from typing import Any
 
 from cuda.core import Buffer, Device, DeviceMemoryResource, PinnedMemoryResource
@@ -47,9 +48,10 @@ _FIX = {
 #: tuple: a pickle of a pool and its buffers holds it once, as release 0.1.0 wrote it)
 _exported: dict[bytes, tuple[PoolPayload, tuple[Any, ...]]] = {}
 _exported_pools: dict[bytes, Pool] = {}
-#: (broker address, descriptor token) -> the pool imported here and its id: one import per real
-#: descriptor, whatever pool id a payload claims
-_imported: dict[tuple[str, bytes], tuple[Pool, bytes]] = {}
+#: (broker address, descriptor token) -> the pool imported here and the payload it was imported
+#: for (checked by the exporter's broker): one import per real descriptor, whatever a payload claims
+_imported: dict[tuple[str, bytes], tuple[Pool, object]] = {}
+_importing: dict[tuple[str, bytes], threading.Lock] = {}  # a lock per descriptor being imported
 
 
 def pool_payload(mr: Pool) -> tuple[Any, ...]:
@@ -79,7 +81,7 @@ def pool_payload(mr: Pool) -> tuple[Any, ...]:
         if sent is None:
             dev = device_payload(Device(mr.device_id)) if kind is DeviceMemoryResource else None
             b = _broker.broker()
-            token = b.offer(int(mr.allocation_handle), pool_identity(pool))
+            token = b.offer(int(mr.allocation_handle), pool_identity(pool, dev, host_id()))
             p = PoolPayload(VERSION, dev, host_id(), b.address, token, pool)
             sent = _exported[pool] = (p, p.wire())
             _exported_pools[pool] = mr
@@ -106,42 +108,55 @@ def import_pool(p: PoolPayload, wire_payload: object) -> Pool:
         HandoffError: why it cannot be imported here (TokenRefusedError also for a payload that
         names another pool than its descriptor's).
     """
+    key = (p.address, p.token)
     with lifetime.lock:
         home = _exported_pools.get(p.pool) if _broker.is_own(p.address) else None
         if home is not None:
             return home  # back in the exporting process: the original pool
-        known = _imported.get((p.address, p.token))
-        if known is not None:
-            if known[1] != p.pool:
-                raise HandoffError(
-                    "this payload names a pool other than the one its descriptor token was "
-                    "issued for: refused (a forged or corrupted payload)"
-                )
-            return known[0]
-        if p.device is None:  # a pinned host pool
-            lifetime.check_host(p.boot, "Pinned host memory")
-            dev = _driver.any_device()
+        importing = _importing.setdefault(key, threading.Lock())
+    with importing:  # one import per descriptor; others wait for it, nothing else does
+        try:
+            return _import_once(p, wire_payload, key)
+        finally:
+            with lifetime.lock:
+                if key not in _imported:  # failed: nothing kept for a token that did not work
+                    _importing.pop(key, None)
+
+
+def _import_once(p: PoolPayload, wire_payload: object, key: tuple[str, bytes]) -> Pool:
+    known = _imported.get(key)
+    if known is not None:
+        if known[1] != wire_payload:
+            raise HandoffError(
+                "this payload names a pool other than the one imported here for its descriptor "
+                "token: refused (a forged or corrupted payload)"
+            )
+        return known[0]
+    if p.device is None:  # a pinned host pool
+        lifetime.check_host(p.boot, "Pinned host memory")
+        dev = _driver.any_device()
+    else:
+        dev = Device(lifetime.local_ordinal(p.device, p.boot, "GPU memory"))
+    fd = _broker.fetch(p.address, p.token, p.identity)
+    try:
+        handle = compat.allocation_handle(fd, p.pool)  # owns fd from here on
+    except Exception:
+        os.close(fd)
+        raise
+    try:
+        dev.set_current()
+        if p.device is None:
+            mr = PinnedMemoryResource.from_allocation_handle(handle)
         else:
-            dev = Device(lifetime.local_ordinal(p.device, p.boot, "GPU memory"))
-        fd = _broker.fetch(p.address, p.token, p.identity)
-        try:
-            handle = compat.allocation_handle(fd, p.pool)  # owns fd from here on
-        except Exception:
-            os.close(fd)
-            raise
-        try:
-            dev.set_current()
-            if p.device is None:
-                mr = PinnedMemoryResource.from_allocation_handle(handle)
-            else:
-                mr = DeviceMemoryResource.from_allocation_handle(dev, handle)
-        except Exception as exc:
-            with contextlib.suppress(Exception):
-                handle.close()
-            raise HandoffError(f"importing the memory pool failed: {exc}") from exc
-        _imported[(p.address, p.token)] = (mr, p.pool)
+            mr = DeviceMemoryResource.from_allocation_handle(dev, handle)
+    except Exception as exc:
+        with contextlib.suppress(Exception):
+            handle.close()
+        raise HandoffError(f"importing the memory pool failed: {exc}") from exc
+    with lifetime.lock:
+        _imported[key] = (mr, wire_payload)
         lifetime.remember(mr, (wire.pool, (wire_payload,)))
-        return mr
+    return mr
 
 
 def rebuild_pool(payload: object) -> Pool:
@@ -230,7 +245,7 @@ def rebuild_buffer(payload: object) -> Buffer:
     p = decode_buffer(payload)
     mr = import_pool(p.pool, payload[1])  # type: ignore[index]  # a tuple: decode_buffer checked
     if mr is _exported_pools.get(p.pool.pool):
-        held = _broker.broker().peek(p.token)
+        held = _broker.broker().peek(p.token, p.block)
         if held is not None:
             return held  # back in the exporter: the original
     dev = Device(mr.device_id) if mr.device_id >= 0 else _driver.any_device()

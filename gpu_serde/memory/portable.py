@@ -17,10 +17,9 @@ from typing import Any
 from cuda.core import Buffer, MemoryResource, Stream
 
 from gpu_serde import wire
-from gpu_serde.errors import NotIPCEnabledError
 from gpu_serde.format.device import VERSION, decode_device
 from gpu_serde.format.memory import PortablePayload, decode_pbuf
-from gpu_serde.memory import buffers, lifetime
+from gpu_serde.memory import buffers, lifetime, unsent
 from gpu_serde.memory.bycopy import data, host_payload, to_host, upload
 from gpu_serde.text import quoted
 
@@ -45,7 +44,10 @@ class PortableBuffer:
         self.buffer = buffer  #: the wrapped buffer
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        return (wire.pbuf, (portable_payload(self.buffer, int(protocol)),))
+        try:
+            return (wire.pbuf, (portable_payload(self.buffer, int(protocol)),))
+        except Exception as exc:  # no copy (too large for host memory, a closed buffer): a
+            return unsent.unsent("Buffer", exc)  # sender never fails; raised where it is used
 
     def __repr__(self) -> str:
         return f"<PortableBuffer of {self.buffer!r}>"
@@ -68,10 +70,12 @@ def portable(buf: Buffer) -> PortableBuffer:
     Returns:
         A :class:`PortableBuffer` (pickle it; it is not a ``Buffer`` in the sending process).
 
+    Pickling it never raises. Where the copy cannot be made (it does not fit in this host's
+    available memory: ``HostCopyError``; the buffer is closed: ``HandoffError``), it travels as
+    that error, which the receiver raises when it uses it.
+
     Raises:
         TypeError: ``buf`` is not a ``Buffer``.
-        HostCopyError: (at pickling) the copy does not fit in this host's available memory.
-        HandoffError: (at pickling) the buffer is closed.
     """
     return PortableBuffer(buf)
 
@@ -84,7 +88,7 @@ def portable_payload(buf: Buffer, protocol: int = 5) -> tuple[Any, ...]:
         HostCopyError, HandoffError: as :func:`to_host`.
     """
     kind, inner = None, None
-    with contextlib.suppress(NotIPCEnabledError):  # else only the copy travels
+    with contextlib.suppress(Exception):  # no zero-copy part (any reason): only the copy travels
         kind, inner = buffers.zero_copy(buf)
     copy = host_payload(buf, data(to_host(buf), protocol))
     return PortablePayload(VERSION, kind, inner, copy).wire()

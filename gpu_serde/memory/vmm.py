@@ -335,7 +335,7 @@ def rebuild_buffer(payload: object) -> Buffer:
     assert p.resource.device is not None  # decode_vbuf checked it
     lifetime.local_ordinal(p.resource.device, p.boot, "GPU memory")
     if _broker.is_own(p.address):
-        held = _broker.broker().peek(p.hold)
+        held = _broker.broker().peek(p.hold, p.block)
         if held is not None:
             return held  # back in the exporter: the original
     mr = local_resource(p.resource, visible_peers_only=True)

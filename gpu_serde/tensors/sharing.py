@@ -69,7 +69,7 @@ def module(library: str) -> Any:
 
 
 # ---- the blocks this process allocated for tensors ----
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: a collection inside an allocation may run forget()
 _blocks: dict[int, tuple[weakref.ref[Buffer], int]] = {}  # address -> (block, its stream)
 _arenas: dict[int, list[ArenaMemoryResource]] = {}  # ordinal -> arenas share() made
 

@@ -98,15 +98,17 @@ class _Region:
         with self.lock:
             if self.wire is None:
                 b = _broker.broker()
+                dev, boot = device_payload(Device(self.ordinal)), host_id()
+                identity = region_identity(self.id, self.size, dev, boot, self.event_bytes)
                 fd = _driver.export(self.ordinal, self.base)
                 try:
-                    self.tokens.append(b.offer(fd, region_identity(self.id, self.size)))
+                    self.tokens.append(b.offer(fd, identity))
                 finally:
                     os.close(fd)
                 p = RegionPayload(
                     VERSION,
-                    device_payload(Device(self.ordinal)),
-                    host_id(),
+                    dev,
+                    boot,
                     b.address,
                     self.tokens[0],
                     self.id,

@@ -222,7 +222,7 @@ def rebuild_buffer(payload: object) -> Buffer:
     """
     p = decode_abuf(payload)
     if _home(p.region) is not None:
-        held = _broker.broker().peek(p.hold)
+        held = _broker.broker().peek(p.hold, p.block)
         if held is None:
             raise TokenRefusedError(
                 "this arena buffer came back to its exporter after every importer released it: "

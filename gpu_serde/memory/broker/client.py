@@ -74,19 +74,30 @@ def recv_by(sock: socket.socket, data: bytes, n: int, deadline: float) -> bytes:
 
 class _Link:
     """This process's connection to one broker: the socket (None until needed), the lock that
-    makes its requests one at a time, and how many holds it carries."""
+    makes its requests one at a time, how many holds it carries, and the answers still owed to it
+    (requests whose caller gave up waiting on a connection that carries holds: it is kept, and
+    the next request reads those answers first)."""
 
-    __slots__ = ("holds", "lock", "sock", "used")
+    __slots__ = ("holds", "lock", "owed", "sock", "used")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.sock: socket.socket | None = None
         self.holds = 0
+        self.owed: list[tuple[bytes, bytes]] = []  # (operation, token), oldest first
         self.used = 0.0
+
+    def drop(self) -> None:
+        """Close the connection (the broker drops whatever it held over it)."""
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.close()
+        self.sock, self.holds, self.owed = None, 0, []
 
 
 _links: dict[str, _Link] = {}
 _links_lock = threading.Lock()
+_UNCOUNTED = b"u"  # an owed release that gives back an acquire its caller gave up on
 
 
 def _forget_after_fork() -> None:
@@ -96,7 +107,7 @@ def _forget_after_fork() -> None:
     _links_lock = threading.Lock()
     socks = [link.sock for link in _links.values() if link.sock is not None]
     _links.clear()
-    for sock in socks:
+    for sock in socks:  # this process's copies only: no shutdown
         with contextlib.suppress(OSError):
             sock.close()
 
@@ -113,22 +124,30 @@ def _link(address: str) -> _Link:
 
 
 def _close_idle(keep: int) -> None:
-    """Close the least recently used connections that hold nothing, beyond ``keep`` of them."""
+    """Close the least recently used connections that hold nothing, beyond ``keep`` of them, and
+    forget the brokers that have neither a connection nor a hold here."""
     with _links_lock:
         idle = sorted(
             (link.used, address)
             for address, link in _links.items()
-            if link.holds == 0 and link.sock is not None
+            if link.holds == 0 and not link.owed and link.sock is not None
         )
         surplus = [address for _, address in idle[: max(0, len(idle) - keep)]]
+        for address in [a for a, link in _links.items() if link.sock is None and not link.holds]:
+            gone = _links[address]
+            if gone.lock.acquire(blocking=False):  # in use right now: kept
+                try:
+                    if gone.sock is None and not gone.holds:
+                        del _links[address]
+                finally:
+                    gone.lock.release()
     for address in surplus:
         link = _links.get(address)
         if link is None or not link.lock.acquire(blocking=False):
             continue  # in use right now: not idle
         try:
-            if link.holds == 0 and link.sock is not None:
-                link.sock.close()
-                link.sock = None
+            if link.holds == 0 and not link.owed and link.sock is not None:
+                link.drop()
         finally:
             link.lock.release()
 
@@ -193,70 +212,130 @@ def _check_request(address: str, token: bytes, check: bytes) -> None:
         )
 
 
+class _Unanswered(Exception):
+    """No answer by the deadline; ``sent``: the request had left (its answer may still come)."""
+
+    def __init__(self, sent: bool) -> None:
+        super().__init__("no answer by the deadline")
+        self.sent = sent
+
+
+def _read_answer(sock: socket.socket, deadline: float) -> tuple[bytes, list[int]]:
+    sock.settimeout(max(0.01, deadline - time.monotonic()))
+    msg, fds, _, _ = socket.recv_fds(sock, 1, 1)
+    return msg, fds
+
+
+def _settle_owed(link: _Link, deadline: float) -> None:
+    """Read the answers still owed on ``link`` (holding its lock): an acquire that was counted
+    although its caller gave up is given back at once (a release, itself owed an answer); a
+    release that was counted takes its hold off.
+
+    Raises:
+        TimeoutError: an answer is still not there by ``deadline`` (it stays owed).
+        OSError: the connection broke (the broker dropped its holds).
+    """
+    assert link.sock is not None
+    while link.owed:
+        op, token = link.owed[0]
+        msg, fds = _read_answer(link.sock, deadline)
+        for fd in fds:
+            os.close(fd)
+        if not msg:
+            raise ConnectionResetError("the broker hung up")
+        link.owed.pop(0)
+        if msg == OK and op == ACQUIRE:  # counted for a caller that was told it failed
+            link.holds += 1
+            link.sock.sendall(RELEASE + token + NO_CHECK, NOSIGNAL)
+            link.owed.append((_UNCOUNTED, token))
+        elif msg == OK and op in (RELEASE, _UNCOUNTED):
+            link.holds = max(0, link.holds - 1)
+
+
 def _exchange(
     link: _Link, address: str, request: bytes, deadline: float
 ) -> tuple[bytes, list[int]]:
     """Send ``request`` over ``link`` (holding its lock) and read the answer; reconnect once when
-    an idle connection was closed by the broker."""
+    an idle connection was closed by the broker.
+
+    Raises:
+        _Unanswered: no answer by ``deadline``.
+        OSError, ExporterGoneError: the connection broke, or none could be made.
+    """
     while True:
         reused = link.sock is not None
         if link.sock is None:
-            link.sock = _connect(address, deadline)
+            try:
+                link.sock = _connect(address, deadline)
+            except TimeoutError:
+                raise _Unanswered(sent=False) from None
         sock = link.sock
-        sock.settimeout(max(0.01, deadline - time.monotonic()))
         try:
+            if link.owed:
+                _settle_owed(link, deadline)
+        except TimeoutError:
+            raise _Unanswered(sent=False) from None
+        sent = False
+        try:
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
             sock.sendall(request, NOSIGNAL)
-            msg, fds, _, _ = socket.recv_fds(sock, 1, 1)
+            sent = True
+            msg, fds = _read_answer(sock, deadline)
+        except TimeoutError:
+            raise _Unanswered(sent) from None
         except (BrokenPipeError, ConnectionResetError):
             if not reused or link.holds:
                 raise
             msg, fds = b"", []
         if msg or fds or not reused or link.holds:
             return msg, fds
-        sock.close()  # the broker closed it while idle (or exited): no request was read
-        link.sock = None
+        link.drop()  # the broker closed it while idle (or exited): no request was read
 
 
 def _request(
     address: str, op: bytes, token: bytes, check: bytes, timeout: float
 ) -> tuple[bytes, list[int]]:
     _check_request(address, token, check)
-    deadline = time.monotonic() + timeout
-    link = _link(address)
-    if not link.lock.acquire(timeout=max(0.0, timeout)):
-        raise ExporterGoneError(
-            f"the descriptor broker {address} did not answer within {timeout} s (another "
-            "request to it is still waiting)"
-        )
-    answered = False
+    while True:
+        link = _link(address)
+        if not link.lock.acquire(timeout=max(0.0, timeout)):
+            raise ExporterGoneError(
+                f"the descriptor broker {address} did not answer within {timeout} s (another "
+                "request to it is still waiting)"
+            )
+        with _links_lock:
+            current = _links.get(address) is link
+        if current:
+            break
+        link.lock.release()  # forgotten while this thread waited for it: take the new one
     try:
+        deadline = time.monotonic() + timeout  # from when this request has the connection
         try:
             msg, fds = _exchange(link, address, op + token + check, deadline)
-            if not msg:
-                for fd in fds:
-                    os.close(fd)
-                raise ExporterGoneError(
-                    f"the descriptor broker {address} hung up without answering: it is closing, "
-                    "or this process runs as another user"
-                )
-            answered = True
-        except TimeoutError:
+        except _Unanswered as exc:
+            if exc.sent and link.holds and link.sock is not None:
+                link.owed.append((op, token))  # kept: it carries holds; read later
+            elif link.holds == 0:
+                link.drop()  # nothing held over it: start afresh
             raise ExporterGoneError(
                 f"the descriptor broker {address} did not answer within {timeout} s"
             ) from None
         except ExporterGoneError:
+            link.drop()
             raise
         except OSError as exc:  # reset or broken pipe: the exporter went away mid-request
+            link.drop()
             raise ExporterGoneError(
                 f"the descriptor broker {address} hung up ({exc.strerror or exc})"
             ) from None
-        finally:
-            if not answered and link.sock is not None:
-                # a request without an answer leaves the connection in an unknown state; its
-                # holds, if any, are gone with it at the exporter
-                link.sock.close()
-                link.sock = None
-                link.holds = 0
+        if not msg:
+            for fd in fds:
+                os.close(fd)
+            link.drop()
+            raise ExporterGoneError(
+                f"the descriptor broker {address} hung up without answering: it is closing, or "
+                "this process runs as another user"
+            )
         if msg == OK and op == ACQUIRE:
             link.holds += 1
         elif msg == OK and op == RELEASE:
@@ -265,7 +344,7 @@ def _request(
         return msg, fds
     finally:
         link.lock.release()
-        if answered and link.holds == 0:
+        if link.holds == 0:
             _close_idle(MAX_IDLE)
 
 

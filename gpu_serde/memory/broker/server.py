@@ -148,10 +148,13 @@ class Broker:
         return token
 
     def sent_again(self, token: bytes, obj: object) -> bool:
-        """``obj``, held under ``token``, was sent again: keep it until that payload is acquired,
-        as a hold that was never acquired (a payload may wait in Ray's object store, or in a
-        Dask graph, longer than the grace period). False when ``token`` no longer holds ``obj``
-        (send it under a new hold)."""
+        """``obj``, held under ``token``, was sent again: keep it until it is acquired again, as a
+        hold that was never acquired (a payload may wait in Ray's object store, or in a Dask
+        graph, longer than the grace period). One flag, not a count: a payload pickled and never
+        delivered (a scheduler's copy for a worker that died) must not pin the memory for good, so
+        of several payloads in flight at once, the first acquire ends the wait, and the others
+        are covered by the grace period. False when ``token`` no longer holds ``obj`` (send it
+        under a new hold)."""
         with self._lock:
             entry = self._holds.get(token)
             if entry is None or entry.obj is not obj:
@@ -159,11 +162,14 @@ class Broker:
             entry.unclaimed, entry.due = True, None
             return True
 
-    def peek(self, token: bytes) -> object | None:
-        """The object held under ``token``, or None."""
+    def peek(self, token: bytes, block: bytes | None = None) -> object | None:
+        """The object held under ``token`` (and issued for ``block``, when given), or None."""
         with self._lock:
             entry = self._holds.get(token)
-            return entry.obj if entry is not None else None
+            if entry is None or (block is not None and entry.block not in (ANY, block)):
+                return None
+            obj: object = entry.obj
+            return obj
 
     def held(self) -> int:
         """How many objects the broker keeps alive for importers."""
