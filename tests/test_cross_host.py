@@ -316,6 +316,7 @@ def on_host(name: str) -> dict:
     return {"resources": {f"host_{name}": 1}, "num_gpus": 0.5}
 
 
+@pytest.mark.slow  # a cluster of two Ray nodes
 def test_a_portable_buffer_reaches_a_ray_task_on_another_host_by_value(ray_hosts, tier, pool_here):
     ray = ray_hosts
     buf = pool_here.allocate(tier.size, stream=Device(tier.ordinal).default_stream)
@@ -328,6 +329,7 @@ def test_a_portable_buffer_reaches_a_ray_task_on_another_host_by_value(ray_hosts
     assert here["ok"] and here["mapped"]
 
 
+@pytest.mark.slow  # a cluster of two Ray nodes
 def test_a_portable_buffer_put_in_the_object_store_reaches_another_host(ray_hosts, tier, pool_here):
     ray = ray_hosts
     buf = pool_here.allocate(tier.size, stream=Device(tier.ordinal).default_stream)
@@ -337,6 +339,7 @@ def test_a_portable_buffer_put_in_the_object_store_reaches_another_host(ray_host
     assert got["ok"] and not got["mapped"]
 
 
+@pytest.mark.slow  # a cluster of two Ray nodes
 def test_a_ray_task_on_another_host_returns_a_portable_buffer_to_the_driver(ray_hosts, tier):
     ray = ray_hosts
 
@@ -348,6 +351,7 @@ def test_a_ray_task_on_another_host_returns_a_portable_buffer_to_the_driver(ray_
     assert got["ok"] and not got["mapped"]
 
 
+@pytest.mark.slow  # a cluster of two Ray nodes
 def test_a_plain_buffer_sent_to_another_ray_host_says_how_to_send_it(ray_hosts, tier, pool_here):
     ray = ray_hosts
     buf = pool_here.allocate(tier.size, stream=Device(tier.ordinal).default_stream)
@@ -387,6 +391,7 @@ def rdt_actors(ray, size: int):
 
 
 @rdt
+@pytest.mark.slow  # a cluster of two Ray nodes
 def test_an_actor_hands_a_buffer_through_ray_direct_transport_to_another_host_by_value(
     ray_hosts, tier
 ):

@@ -23,6 +23,9 @@ from gpu_serde.routing import resource_name
 from gpu_serde.testing import ray_node_options
 from gpu_serde.wire import dev as rebuild_device
 
+# a cluster of four Ray nodes, and doc blocks that start Ray drivers: the fast loop leaves them out
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("markdown_it", reason="the docs extra reads the README's code blocks")
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -171,7 +174,6 @@ def ray_env(cluster) -> dict[str, str]:
     return dict(os.environ, RAY_ADDRESS=cluster["address"])
 
 
-@pytest.mark.slow  # a doc block that starts a Ray driver of its own
 def test_the_readme_ray_example_runs_as_written_on_a_cluster_of_nodes(cluster):
     # tests/test_doc_blocks.py runs it on a local cluster of its own; here the GPU is on a node
     # of a cluster whose head has none
@@ -180,7 +182,6 @@ def test_the_readme_ray_example_runs_as_written_on_a_cluster_of_nodes(cluster):
     assert out.strip().splitlines()[-1] == f"task:   GPU 0 {cluster['uuids'][1][4:]}"
 
 
-@pytest.mark.slow  # a doc block that starts a Ray driver of its own
 def test_the_ray_quick_start_runs_as_written(cluster):
     [code] = python_blocks("docs/quickstart-ray.md", "gpu_serde.ray.on")
     out = run_block(code, ray_env(cluster))
