@@ -20,7 +20,9 @@ import ray
 
 from gpu_serde.testing.clusters import Processes, cli, free_port
 
-pytestmark = pytest.mark.slow  # CLI-started clusters: the fast loop (scripts/test-fast) leaves them out
+pytestmark = (
+    pytest.mark.slow
+)  # CLI-started clusters: the fast loop (scripts/test-fast) leaves them out
 
 if tuple(int(x) for x in ray.__version__.split(".")[:2]) < (2, 60):
     pytest.skip("token authentication arrived in Ray 2.60", allow_module_level=True)

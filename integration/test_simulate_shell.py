@@ -16,7 +16,9 @@ import pytest
 from gpu_serde.testing import make_gpus
 from gpu_serde.testing.clusters import Processes, cli, free_port
 
-pytestmark = pytest.mark.slow  # CLI-started clusters: the fast loop (scripts/test-fast) leaves them out
+pytestmark = (
+    pytest.mark.slow
+)  # CLI-started clusters: the fast loop (scripts/test-fast) leaves them out
 
 
 def without_gpus() -> dict[str, str]:

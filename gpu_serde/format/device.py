@@ -24,7 +24,7 @@ validated payload.
 from __future__ import annotations
 
 import struct
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from gpu_serde.errors import PayloadError
 from gpu_serde.identity import canonical_uuid
@@ -95,6 +95,24 @@ def version_error(kind: str, version: object, payload: object) -> PayloadError:
         "cluster",
         payload,
     )
+
+
+def fields(kind: str, p: object, n: int) -> tuple[Any, ...]:
+    """``p`` as a tuple of ``n`` fields whose first is this version: how every tuple payload
+    (memory, tensors) starts its validation.
+
+    Raises:
+        PayloadError: not a tuple, not of this version, or not ``n`` fields.
+    """
+    if type(p) is not tuple or not p:
+        raise fail(f"a {kind} payload is a tuple of {n} fields", p)
+    if type(p[0]) is not int:
+        raise fail(f"a {kind} payload starts with its version, an int", p)
+    if p[0] != VERSION:
+        raise version_error(kind, p[0], p)
+    if len(p) != n:
+        raise fail(f"a {kind} payload is a tuple of {n} fields", p)
+    return p
 
 
 def validate_device(p: object) -> bytes:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any, NamedTuple
 
-from gpu_serde.format.device import VERSION, fail, validate_device, version_error
+from gpu_serde.format.device import VERSION, fail, fields, validate_device
 
 ADDRESS_MAX = 100
 IPC_DESCRIPTOR_BYTES = 64  # cuMemPoolExportPointer's opaque data: the driver reads all 64
@@ -221,19 +221,6 @@ class AbufPayload(NamedTuple):
         return block_digest(b"abuf", self.region.region, self.offset, self.size)
 
 
-def _fields(kind: str, p: object, n: int) -> tuple[Any, ...]:
-    """``p`` as a tuple of ``n`` fields whose first is this version, or a PayloadError."""
-    if type(p) is not tuple or not p:
-        raise fail(f"a {kind} payload is a tuple of {n} fields", p)
-    if type(p[0]) is not int:
-        raise fail(f"a {kind} payload starts with its version, an int", p)
-    if p[0] != VERSION:
-        raise version_error(kind, p[0], p)
-    if len(p) != n:
-        raise fail(f"a {kind} payload is a tuple of {n} fields", p)
-    return p
-
-
 def _id16(value: object) -> bool:
     return type(value) is bytes and len(value) == 16
 
@@ -262,7 +249,7 @@ def decode_pool(p: object) -> PoolPayload:
     Raises:
         PayloadError: anything but a well-formed pool payload of this version.
     """
-    _, dev, boot, address, token, pool = _fields("pool", p, 6)
+    _, dev, boot, address, token, pool = fields("pool", p, 6)
     if dev is not None:
         validate_device(dev)
     validate_exporter(boot, address, p)
@@ -277,7 +264,7 @@ def decode_buffer(p: object) -> BufferPayload:
     Raises:
         PayloadError: anything but a well-formed buffer payload of this version.
     """
-    _, pool, reserved, size, token = _fields("buffer", p, 5)
+    _, pool, reserved, size, token = fields("buffer", p, 5)
     pool_p = decode_pool(pool)
     if type(reserved) is not bytes or len(reserved) != IPC_DESCRIPTOR_BYTES:
         raise fail(f"the IPC descriptor must be {IPC_DESCRIPTOR_BYTES} bytes", p)
@@ -308,7 +295,7 @@ def decode_options(p: object) -> OptionsPayload:
     Raises:
         PayloadError: anything else.
     """
-    _, *words, rdma, hint, align, peers, own, peer = _fields("VirtualMemoryResourceOptions", p, 11)
+    _, *words, rdma, hint, align, peers, own, peer = fields("VirtualMemoryResourceOptions", p, 11)
     if not all(_word(w) for w in (*words, own, peer)):
         raise fail(f"option values must be strings of at most {_OPTION_TEXT} characters", p)
     if type(rdma) is not bool or not _address_int(hint, 0) or not _address_int(align, 1):
@@ -329,7 +316,7 @@ def decode_vmm(p: object) -> VmmPayload:
     Raises:
         PayloadError: anything else.
     """
-    _, dev, options = _fields("VirtualMemoryResource", p, 3)
+    _, dev, options = fields("VirtualMemoryResource", p, 3)
     if dev is not None:
         validate_device(dev)
     return VmmPayload(VERSION, dev, decode_options(options))
@@ -341,7 +328,7 @@ def decode_vbuf(p: object) -> VbufPayload:
     Raises:
         PayloadError: anything else, or a resource that names no device.
     """
-    _, res, boot, address, hold, size, fd_token = _fields("VMM buffer", p, 7)
+    _, res, boot, address, hold, size, fd_token = fields("VMM buffer", p, 7)
     resource = decode_vmm(res)
     if resource.device is None:
         raise fail("a VMM buffer payload names its device", p)
@@ -359,7 +346,7 @@ def decode_region(p: object) -> RegionPayload:
     Raises:
         PayloadError: anything but a well-formed region payload of this version.
     """
-    _, dev, boot, address, token, region, size, event = _fields("arena region", p, 8)
+    _, dev, boot, address, token, region, size, event = fields("arena region", p, 8)
     validate_device(dev)
     validate_exporter(boot, address, p)
     if not _id16(token) or not _id16(region):
@@ -377,7 +364,7 @@ def decode_abuf(p: object) -> AbufPayload:
     Raises:
         PayloadError: anything else, or a buffer that does not lie inside its region.
     """
-    _, region, offset, size, hold = _fields("arena buffer", p, 5)
+    _, region, offset, size, hold = fields("arena buffer", p, 5)
     r = decode_region(region)
     if type(offset) is not int or type(size) is not int or offset < 0 or size <= 0:
         raise fail("the offset must be an int >= 0 and the size a positive int", p)
@@ -434,7 +421,7 @@ def decode_hbuf(p: object) -> HostCopyPayload:
         PayloadError: anything but a well-formed host copy of this version, or bytes that are
             not a contiguous buffer of the stated size.
     """
-    _, dev, size, data = _fields("host copy", p, 4)
+    _, dev, size, data = fields("host copy", p, 4)
     validate_target(dev, size, p)
     try:
         with memoryview(data) as view:
@@ -454,7 +441,7 @@ def decode_pbuf(p: object) -> PortablePayload:
     Raises:
         PayloadError: anything else.
     """
-    _, kind, inner, copy = _fields("portable buffer", p, 4)
+    _, kind, inner, copy = fields("portable buffer", p, 4)
     if kind not in ZERO_COPY_KINDS or inner is None:
         kind, inner = None, None
     return PortablePayload(VERSION, kind, inner, decode_hbuf(copy))
@@ -479,7 +466,7 @@ def decode_unsent(p: object) -> UnsentPayload:
     Raises:
         PayloadError: anything else.
     """
-    _, what, error, message = _fields("unsent object", p, 4)
+    _, what, error, message = fields("unsent object", p, 4)
     if not all(type(t) is str and len(t) <= TEXT_MAX for t in (what, error, message)):
         raise fail(
             f"an unsent object payload holds three strings of at most {TEXT_MAX} characters", p

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from gpu_serde.format.device import VERSION, fail, validate_device
+from gpu_serde.format.device import VERSION, fail, fields, validate_device
 from gpu_serde.format.memory import MAX_SIZE, AbufPayload, decode_abuf
 
 LIBRARIES = {"torch": ("Tensor", "Parameter"), "cupy": ("ndarray",)}
@@ -185,20 +185,6 @@ class TipcPayload(NamedTuple):
         return (self.version, self.device, self.boot, self.meta.wire(), *self[4:])
 
 
-def _fields(kind: str, p: object, n: int) -> tuple[Any, ...]:
-    from gpu_serde.format.device import version_error
-
-    if type(p) is not tuple or not p:
-        raise fail(f"a {kind} payload is a tuple of {n} fields", p)
-    if type(p[0]) is not int:
-        raise fail(f"a {kind} payload starts with its version, an int", p)
-    if p[0] != VERSION:
-        raise version_error(kind, p[0], p)
-    if len(p) != n:
-        raise fail(f"a {kind} payload is a tuple of {n} fields", p)
-    return p
-
-
 def decode_tval(p: object) -> TvalPayload:
     """Validate a by-value tensor payload (what :func:`gpu_serde.wire.tval` carries).
 
@@ -206,7 +192,7 @@ def decode_tval(p: object) -> TvalPayload:
         PayloadError: anything but a well-formed payload of this version, or bytes that are not
             a contiguous buffer of the stated size.
     """
-    _, dev, meta, start, nbytes, data = _fields("tensor by value", p, 6)
+    _, dev, meta, start, nbytes, data = fields("tensor by value", p, 6)
     validate_device(dev)
     if type(nbytes) is not int or not 0 <= nbytes < MAX_SIZE:
         raise fail("the size must be an int >= 0", p)
@@ -231,7 +217,7 @@ def decode_tshr(p: object) -> TshrPayload:
     Raises:
         PayloadError: anything else, or a tensor that does not lie inside its block.
     """
-    _, meta, block = _fields("shared tensor", p, 3)
+    _, meta, block = fields("shared tensor", p, 3)
     b = decode_abuf(block)
     return TshrPayload(VERSION, decode_meta(meta, b.size, p), b)
 
@@ -242,7 +228,7 @@ def decode_tipc(p: object) -> TipcPayload:
     Raises:
         PayloadError: anything else, or a tensor that does not lie inside its storage.
     """
-    (_, dev, boot, meta, handle, size, offset, counter, counter_offset, event, sync) = _fields(
+    (_, dev, boot, meta, handle, size, offset, counter, counter_offset, event, sync) = fields(
         "torch CUDA IPC", p, 11
     )
     validate_device(dev)

@@ -40,7 +40,8 @@ def rebuild_ipc(payload: object) -> Any:
     """
     p = decode_tipc(payload)
     what = "a torch CUDA tensor sent through torch.multiprocessing"
-    return module("torch").from_ipc(p, lifetime.local_ordinal(p.device, p.boot, what))
+    ordinal = lifetime.local_ordinal(p.device, p.boot, what)  # the host and GPU before torch
+    return module("torch").from_ipc(p, ordinal)
 
 
 def value_kind(payload: object) -> str:
