@@ -95,20 +95,27 @@ class Exporter:
         """This process's descriptors where they started, but for a few kept connections."""
         return wait_until(lambda: open_fds() <= self.fds + slack)
 
-    def broker_descriptors_back(self) -> bool:
-        """The descriptors this process's broker serves, and its connections, where they
-        started, but for one the pool's export adds (a Dask cluster's own sockets, which come and
-        go with its workers, are not counted)."""
-        return wait_until(lambda: broker_descriptors() <= self.served + 1)
+    def broker_descriptors_back(self, importers: int) -> bool:
+        """The descriptors this process's broker serves where they started (but for the one an
+        export adds), and at most one connection per live importing process: a killed one's is
+        closed (a Dask cluster's own sockets, which come and go with its workers, are not
+        counted)."""
+        served, conns = self.served
+
+        def back() -> bool:
+            now_served, now_conns = broker_descriptors()
+            return now_served <= served + 1 and now_conns <= conns + importers
+
+        return wait_until(back)
 
 
-def broker_descriptors() -> int:
-    """Descriptors this process's broker holds: those it serves and its live connections."""
+def broker_descriptors() -> tuple[int, int]:
+    """This process's broker's descriptors: those it serves, and its live connections."""
     from gpu_serde.memory.broker import broker
 
     b = broker()
     with b._lock:
-        return len(b._fds) + len(b._conns)
+        return len(b._fds), len(b._conns)
 
 
 def _of(buf, mr) -> bool:
@@ -416,7 +423,7 @@ def test_a_worker_killed_mid_run_with_100_handoffs_in_flight_loses_nothing(
     assert wait_until(lambda: len(client.scheduler_info()["workers"]) == 2, timeout=60)
     del futures, bufs
     assert wait_until(exporter.all_back, timeout=GRACE + BOUND + 30), exporter
-    assert exporter.broker_descriptors_back()  # the cluster's own sockets come and go
+    assert exporter.broker_descriptors_back(importers=2)  # the cluster's sockets come and go
 
 
 def test_a_killed_ray_actor_gives_its_holds_back(exporter, tier, ray_session):
