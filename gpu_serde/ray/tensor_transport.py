@@ -41,19 +41,13 @@ import ray
 
 from gpu_serde.errors import OtherHostError
 from gpu_serde.hostid import host_id
-from gpu_serde.ray.transport import supported
+from gpu_serde.ray.transport import OneSidedTransport, supported
 from gpu_serde.tensors.lazy import when_imported
 
 try:  # Ray 2.55 and later
-    from ray.experimental import (
-        CommunicatorMetadata,
-        TensorTransportManager,
-        TensorTransportMetadata,
-        register_tensor_transport,
-    )
+    from ray.experimental import TensorTransportMetadata, register_tensor_transport
 except ImportError:  # pragma: no cover - Ray before 2.55 (the version matrix's low leg)
-    CommunicatorMetadata = TensorTransportManager = TensorTransportMetadata = None
-    register_tensor_transport = None
+    TensorTransportMetadata = register_tensor_transport = None
 
 #: The transport's name, as ``@ray.method(tensor_transport=...)`` and ``.options(...)`` take it.
 TENSOR_TRANSPORT = "GPU_SERDE_TENSOR"
@@ -100,7 +94,7 @@ def _host_copy(actor: Any, obj_id: str, index: int) -> Any:
     return (p.meta.wire(), p.start, p.nbytes, p.data)
 
 
-if TensorTransportManager is not None:
+if TensorTransportMetadata is not None:
 
     @dataclass
     class TensorMetadata(TensorTransportMetadata):  # type: ignore[misc]
@@ -112,23 +106,11 @@ if TensorTransportManager is not None:
         host: bytes = b""
         source: Any = None
 
-    class TensorTransport(TensorTransportManager):  # type: ignore[misc]
+    class TensorTransport(OneSidedTransport):
         """gpu_serde's one-sided tensor transport for torch tensors (see the module)."""
 
-        @property
-        def tensor_transport_backend(self) -> str:
-            return TENSOR_TRANSPORT
-
-        @staticmethod
-        def is_one_sided() -> bool:
-            return True
-
-        @staticmethod
-        def can_abort_transport() -> bool:
-            return False
-
-        def actor_has_tensor_transport(self, actor: Any) -> bool:
-            return True
+        name = TENSOR_TRANSPORT
+        served = _served
 
         def extract_tensor_transport_metadata(
             self, obj_id: str, rdt_object: list[Any]
@@ -153,11 +135,6 @@ if TensorTransportManager is not None:
                 source=ctx.current_actor if ctx.get_actor_id() else None,
             )
 
-        def get_communicator_metadata(
-            self, src_actor: Any, dst_actor: Any, backend: str | None = None
-        ) -> Any:
-            return CommunicatorMetadata()
-
         def recv_multiple_tensors(
             self,
             obj_id: str,
@@ -170,17 +147,6 @@ if TensorTransportManager is not None:
             meta = tensor_transport_metadata
             same_host = meta.host == host_id()
             return [_receive(obj_id, i, meta, same_host) for i in range(len(meta.payloads))]
-
-        def send_multiple_tensors(self, tensors: Any, meta: Any, comm: Any) -> None:
-            raise NotImplementedError("gpu_serde's transport is one-sided: receivers fetch")
-
-        def garbage_collect(self, obj_id: str, meta: Any, tensors: Any) -> None:
-            """Runs in the sender once the object's last reference is gone."""
-            for i in range(len(meta.payloads)):
-                _served.pop((obj_id, i), None)
-
-        def abort_transport(self, obj_id: str, communicator_metadata: Any) -> None:
-            """Nothing to abort (never called: :meth:`can_abort_transport` is False)."""
 
 
 def _zero_copy(t: Any) -> tuple[str, Any] | None:

@@ -36,7 +36,7 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import ray
 from cuda.core import Buffer
@@ -100,6 +100,51 @@ def _host_copy(actor: Any, obj_id: str, index: int) -> Any:
     return bycopy.to_host(buf).obj  # the NumPy array the copy is in
 
 
+# Ray's base where it has one (before 2.55 nothing registers a transport: the class is inert)
+_Manager: Any = TensorTransportManager if TensorTransportManager is not None else object
+
+
+class OneSidedTransport(_Manager):  # type: ignore[misc]
+    """What gpu_serde's transports share: one-sided (receivers fetch), never aborted, no
+    communicator; a subclass names itself (:attr:`name`), keeps what it sent in
+    :attr:`served` (``(object id, index) -> object``) and writes the metadata and the
+    receiving side."""
+
+    name = ""  #: the transport's name
+    served: ClassVar[dict[tuple[str, int], Any]] = {}  #: what this actor sent (object, index)
+
+    @property
+    def tensor_transport_backend(self) -> str:
+        return self.name
+
+    @staticmethod
+    def is_one_sided() -> bool:
+        return True
+
+    @staticmethod
+    def can_abort_transport() -> bool:
+        return False
+
+    def actor_has_tensor_transport(self, actor: Any) -> bool:
+        return True
+
+    def get_communicator_metadata(
+        self, src_actor: Any, dst_actor: Any, backend: str | None = None
+    ) -> Any:
+        return CommunicatorMetadata()
+
+    def send_multiple_tensors(self, tensors: Any, meta: Any, comm: Any) -> None:
+        raise NotImplementedError("gpu_serde's transports are one-sided: receivers fetch")
+
+    def garbage_collect(self, obj_id: str, meta: Any, tensors: Any) -> None:
+        """Runs in the sender once the object's last reference is gone."""
+        for i in range(len(meta.payloads)):
+            self.served.pop((obj_id, i), None)
+
+    def abort_transport(self, obj_id: str, communicator_metadata: Any) -> None:
+        """Nothing to abort (never called: :meth:`can_abort_transport` is False)."""
+
+
 if TensorTransportManager is not None:
 
     @dataclass
@@ -112,23 +157,11 @@ if TensorTransportManager is not None:
         host: bytes = b""
         source: Any = None
 
-    class BufferTransport(TensorTransportManager):  # type: ignore[misc]
+    class BufferTransport(OneSidedTransport):
         """gpu_serde's one-sided tensor transport for ``cuda.core.Buffer`` (see the module)."""
 
-        @property
-        def tensor_transport_backend(self) -> str:
-            return TRANSPORT
-
-        @staticmethod
-        def is_one_sided() -> bool:
-            return True
-
-        @staticmethod
-        def can_abort_transport() -> bool:
-            return False
-
-        def actor_has_tensor_transport(self, actor: Any) -> bool:
-            return True
+        name = TRANSPORT
+        served = _served
 
         def extract_tensor_transport_metadata(
             self, obj_id: str, rdt_object: list[Buffer]
@@ -153,11 +186,6 @@ if TensorTransportManager is not None:
                 source=ctx.current_actor if ctx.get_actor_id() else None,
             )
 
-        def get_communicator_metadata(
-            self, src_actor: Any, dst_actor: Any, backend: str | None = None
-        ) -> Any:
-            return CommunicatorMetadata()
-
         def recv_multiple_tensors(
             self,
             obj_id: str,
@@ -172,17 +200,6 @@ if TensorTransportManager is not None:
                 _receive(obj_id, i, meta, same_host and meta.payloads[i] is not None)
                 for i in range(len(meta.copies))
             ]
-
-        def send_multiple_tensors(self, tensors: Any, meta: Any, comm: Any) -> None:
-            raise NotImplementedError("gpu_serde's transport is one-sided: receivers fetch")
-
-        def garbage_collect(self, obj_id: str, meta: Any, tensors: Any) -> None:
-            """Runs in the sender once the object's last reference is gone."""
-            for i in range(len(meta.copies)):
-                _served.pop((obj_id, i), None)
-
-        def abort_transport(self, obj_id: str, communicator_metadata: Any) -> None:
-            """Nothing to abort (never called: :meth:`can_abort_transport` is False)."""
 
 
 def _receive(obj_id: str, index: int, meta: Any, mapped: bool) -> Buffer:
