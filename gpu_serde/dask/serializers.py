@@ -82,6 +82,34 @@ class _Reduced:
         return self.reduction
 
 
+def to_frames(reduction: tuple[Any, ...]) -> list[Any]:
+    """``reduction`` as distributed frames: its pickle (protocol 5), then its out-of-band buffers
+    (the bytes, when they travel, without a copy)."""
+    buffers: list[pickle.PickleBuffer] = []
+    head = pickle.dumps(_Reduced(reduction), protocol=5, buffer_callback=buffers.append)
+    return [head, *(b.raw() for b in buffers)]
+
+
+def from_frames(header: object, frames: list[Any], key: str, what: str, reconstructor: Any) -> Any:
+    """What :func:`to_frames` sent, under a header whose ``key`` entry is :data:`FORMAT`; never
+    raises (Dask would lose the worker): anything wrong gives a placeholder of ``what`` that
+    raises :class:`~gpu_serde.PayloadError` when used (re-pickled, it names ``reconstructor``)."""
+    try:
+        if not isinstance(header, dict) or header.get(key) != FORMAT or not frames:
+            raise PayloadError(
+                f"invalid gpu_serde Dask frames (header {safe(header)}): sent by another "
+                "gpu_serde version; install the same version on every process of the cluster"
+            )
+        return pickle.loads(frames[0], buffers=frames[1:])
+    except Exception as exc:
+        error = (
+            exc
+            if isinstance(exc, PayloadError)
+            else PayloadError(f"invalid gpu_serde Dask frames: {type(exc).__name__}: {safe(exc)}")
+        )
+        return UnresolvedObject(what, reconstructor, (None,), error)
+
+
 def _reduction(buf: Buffer, sent: str) -> tuple[str, tuple[Any, ...]]:
     global _warned_unshared
     if sent == "ipc":
@@ -111,28 +139,13 @@ def serialize_buffer(buf: Buffer, context: object = None) -> tuple[dict[str, Any
     except Exception as exc:  # raising here would leave the receiver waiting for ever
         logger.warning("gpu_serde: a Buffer could not be sent: %s", exc)
         sent, reduction = "unsent", unsent.unsent("Buffer", exc)
-    buffers: list[pickle.PickleBuffer] = []
-    head = pickle.dumps(_Reduced(reduction), protocol=5, buffer_callback=buffers.append)
-    return {"gpu_serde": FORMAT, "sent": sent}, [head, *(b.raw() for b in buffers)]
+    return {"gpu_serde": FORMAT, "sent": sent}, to_frames(reduction)
 
 
 def deserialize_buffer(header: object, frames: list[Any]) -> Any:
     """distributed ``dask`` deserializer for ``cuda.core.Buffer``: the buffer, mapped or uploaded
     here; never raises (Dask would lose the worker): anything wrong gives a placeholder."""
-    try:
-        if not isinstance(header, dict) or header.get("gpu_serde") != FORMAT or not frames:
-            raise PayloadError(
-                f"invalid gpu_serde Dask frames (header {safe(header)}): sent by another "
-                "gpu_serde version; install the same version on every process of the cluster"
-            )
-        return pickle.loads(frames[0], buffers=frames[1:])
-    except Exception as exc:
-        error = (
-            exc
-            if isinstance(exc, PayloadError)
-            else PayloadError(f"invalid gpu_serde Dask frames: {type(exc).__name__}: {safe(exc)}")
-        )
-        return UnresolvedObject("Buffer", wire.hbuf, (None,), error)
+    return from_frames(header, frames, "gpu_serde", "Buffer", wire.hbuf)
 
 
 dask_serialize.register(Buffer)(serialize_buffer)

@@ -24,7 +24,6 @@ gpu_serde's ``copyreg`` reducers carry them (:mod:`gpu_serde.tensors`).
 from __future__ import annotations
 
 import logging
-import pickle
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -32,12 +31,9 @@ from typing import Any
 from distributed.protocol.serialize import dask_deserialize, dask_serialize
 
 from gpu_serde import wire
-from gpu_serde.dask.serializers import FORMAT, _Reduced
-from gpu_serde.errors import PayloadError
+from gpu_serde.dask.serializers import FORMAT, from_frames, to_frames
 from gpu_serde.memory import unsent
-from gpu_serde.placeholders import UnresolvedObject
 from gpu_serde.tensors.lazy import when_imported
-from gpu_serde.text import safe
 
 logger = logging.getLogger("gpu_serde.dask")
 OWN = "gpu_serde-tensor"  #: the header key that marks gpu_serde's own frames
@@ -59,9 +55,7 @@ def serialize_tensor(x: Any) -> tuple[dict[str, Any], list[Any]]:
         reduction = reduce(x)
     except Exception as exc:  # raising here would leave the receiver waiting for ever
         reduction = unsent.unsent(type(x).__name__, exc)
-    buffers: list[pickle.PickleBuffer] = []
-    head = pickle.dumps(_Reduced(reduction), protocol=5, buffer_callback=buffers.append)
-    return {OWN: FORMAT}, [head, *(b.raw() for b in buffers)]
+    return {OWN: FORMAT}, to_frames(reduction)
 
 
 def deserialize_tensor(header: Any, frames: list[Any]) -> Any:
@@ -71,20 +65,7 @@ def deserialize_tensor(header: Any, frames: list[Any]) -> Any:
         cls = _names.get(str(header[THEIRS]))
         if cls is not None:
             return _entries[cls][1](header, frames)  # distributed's own, as it sent it
-    try:
-        if header.get(OWN) != FORMAT or not frames:
-            raise PayloadError(
-                f"invalid gpu_serde Dask frames (header {safe(header)}): sent by another "
-                "gpu_serde version; install the same version on every process of the cluster"
-            )
-        return pickle.loads(frames[0], buffers=frames[1:])
-    except Exception as exc:
-        error = (
-            exc
-            if isinstance(exc, PayloadError)
-            else PayloadError(f"invalid gpu_serde Dask frames: {type(exc).__name__}: {safe(exc)}")
-        )
-        return UnresolvedObject("tensor", wire.tval, (None,), error)
+    return from_frames(header, frames, OWN, "tensor", wire.tval)
 
 
 def _name(cls: type) -> str:
