@@ -42,30 +42,36 @@ def label(size: int) -> str:
     return f"{size} B"
 
 
+def handoff_row(
+    r: dict[str, Any], metric: str, engine: str, series: str, path: str
+) -> dict[str, Any]:
+    """One measured hand-off (a ``results`` entry of ``handoff_table.py``'s or
+    ``tensor_table.py``'s raw record) as a result row of ``metric``."""
+    return {
+        "metric": metric,
+        "engine": engine,
+        "series": series,
+        "path": path,
+        "size": label(r["size"]),
+        "size_bytes": r["size"],
+        "value": r["handoff_s"],
+        "unit": "s",
+        "low": r["low_s"],
+        "high": r["high_s"],
+        "stat": f"median over {r['rounds']} interleaved rounds of (round trip - int round "
+        "trip), 95% interval",
+        "round_trip": r["roundtrip_s"],
+        "int_round_trip": r["int_roundtrip_s"],
+    }
+
+
 def handoff_rows(raw: dict[str, Any]) -> list[dict[str, Any]]:
     """``handoff_table.py``'s raw record as result rows: ``handoff`` and ``handoff_first``."""
     rows = []
     for r in raw["results"]:
         engine, path = ENGINES[r["engine"]]
         series = SERIES.get(r["path"]) or DEFAULT[r["engine"]]
-        rows.append(
-            {
-                "metric": "handoff",
-                "engine": engine,
-                "series": series,
-                "path": path,
-                "size": label(r["size"]),
-                "size_bytes": r["size"],
-                "value": r["handoff_s"],
-                "unit": "s",
-                "low": r["low_s"],
-                "high": r["high_s"],
-                "stat": f"median over {r['rounds']} interleaved rounds of (round trip - int round "
-                "trip), 95% interval",
-                "round_trip": r["roundtrip_s"],
-                "int_round_trip": r["int_roundtrip_s"],
-            }
-        )
+        rows.append(handoff_row(r, "handoff", engine, series, path))
     for f in raw.get("first_handoff", []):
         engine, path = ENGINES[f["engine"]]
         samples = sorted(f["first_handoff_s"])

@@ -141,15 +141,27 @@ class Run:
 RoundTrip = Callable[[str, int, int], float]
 
 
-def block(run: Run, engine: str, rt: RoundTrip, paths: dict[str, list[int]]) -> None:
-    """Measure each path at its sizes against the int, interleaved round by round."""
+def slow_default(path: str, engine: str, size: int) -> bool:
+    """True where a path copies through host memory (the engine's default above 1 MiB, but for
+    multiprocessing's): it runs ``--slow-rounds`` rounds."""
+    return path == "default" and engine != "mp" and size > (1 << 20)
+
+
+def block(
+    run: Run,
+    engine: str,
+    rt: RoundTrip,
+    paths: dict[str, list[int]],
+    slow: Callable[[str, str, int], bool] = slow_default,
+) -> None:
+    """Measure each path at its sizes against the int, interleaved round by round (``slow``
+    says which run ``--slow-rounds`` rounds)."""
     args = run.args
     for size in args.sizes:
         for path, sizes in paths.items():
             if size not in sizes:
                 continue
-            slow = path == "default" and engine != "mp" and size > (1 << 20)
-            rounds = args.slow_rounds if slow else args.rounds
+            rounds = args.slow_rounds if slow(path, engine, size) else args.rounds
             rt(path, size, run.values())  # warm: the first of each path and size is not counted
             rt("int", size, run.values())
             samples: dict[str, list[float]] = {path: [], "int": []}

@@ -45,7 +45,7 @@ from typing import Any
 import _handoff_parts as parts
 import _results
 import handoff_table as ht
-from _common import machine, paired_ci, use_gpus
+from _common import machine, use_gpus
 
 SHARE_EXTRA_S = 0.05e-3
 FLAT = 1.2
@@ -103,40 +103,13 @@ def paths_for(run: ht.Run, engine: str) -> dict[str, list[int]]:
 
 
 def block(run: ht.Run, engine: str, rt: ht.RoundTrip, paths: dict[str, list[int]]) -> None:
-    """Measure each path at its sizes against the int, interleaved round by round."""
-    args = run.args
-    for size in args.sizes:
-        for path, sizes in paths.items():
-            if size not in sizes:
-                continue
-            slow = path in SLOW and engine != "mp" and size > (1 << 20)
-            rounds = args.slow_rounds if slow else args.rounds
-            rt(path, size, run.values())  # warm
-            rt("int", size, run.values())
-            samples: dict[str, list[float]] = {path: [], "int": []}
-            for r in range(rounds):
-                for p in [path, "int"] if r % 2 == 0 else ["int", path]:
-                    samples[p].append(rt(p, size, run.values()))
-            median, low, high = paired_ci(samples, path, "int")
-            run.results.append(
-                {
-                    "engine": engine,
-                    "path": path,
-                    "size": size,
-                    "rounds": rounds,
-                    "handoff_s": median,
-                    "low_s": low,
-                    "high_s": high,
-                    "roundtrip_s": sorted(samples[path])[rounds // 2],
-                    "int_roundtrip_s": sorted(samples["int"])[rounds // 2],
-                    "samples_s": samples[path],
-                    "int_samples_s": samples["int"],
-                }
-            )
-            ht.log(
-                f"[{engine}] {ht.label(size)} {path}: hand-off {ht.ms(median)} "
-                f"({ht.ms(low)} to {ht.ms(high)}), {rounds} rounds ({run.elapsed()})"
-            )
+    """Measure each path at its sizes against the int, interleaved round by round
+    (``handoff_table.block``; the copies through host memory run ``--slow-rounds`` rounds)."""
+    ht.block(run, engine, rt, paths, slow=_slow)
+
+
+def _slow(path: str, engine: str, size: int) -> bool:
+    return path in SLOW and engine != "mp" and size > (1 << 20)
 
 
 def ray_engines(run: ht.Run) -> None:
@@ -315,24 +288,7 @@ def rows(raw: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for r in raw["results"]:
         engine, path = ht_engine(r["engine"])
-        out.append(
-            {
-                "metric": "tensor_handoff",
-                "engine": engine,
-                "series": SERIES[r["path"]],
-                "path": path,
-                "size": _results.label(r["size"]),
-                "size_bytes": r["size"],
-                "value": r["handoff_s"],
-                "unit": "s",
-                "low": r["low_s"],
-                "high": r["high_s"],
-                "stat": f"median over {r['rounds']} interleaved rounds of (round trip - int round "
-                "trip), 95% interval",
-                "round_trip": r["roundtrip_s"],
-                "int_round_trip": r["int_roundtrip_s"],
-            }
-        )
+        out.append(_results.handoff_row(r, "tensor_handoff", engine, SERIES[r["path"]], path))
     return out
 
 
