@@ -567,40 +567,60 @@ def main() -> None:
     for engine in ("ray-actor", "ray-task", "dask", "mp"):
         table(run, engine)
     first_table(run)
+    print_left_out(run)
+    write(run, dev, not real, "handoff_table", _results.handoff_rows, first_handoff=run.first)
+
+
+def print_left_out(run: Run) -> None:
+    """Say which paths and sizes a run left out, and why."""
     if run.skipped:
         print("\nLeft out:")
         for s in run.skipped:
             sizes = s["sizes"] if s["sizes"] == "all" else ", ".join(map(label, s["sizes"]))
             print(f"- {s['engine']} {s['path']} ({sizes}): {s['why']}")
-    if args.json or args.raw_json:
-        record = {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "machine": {
-                "host": platform.node(),
-                "arch": platform.machine(),
-                "cpus": os.cpu_count(),
-                "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-            },
-            "gpu": {"name": dev.name, "uuid": dev.uuid, "simulated": not real},
-            "versions": versions(),
-            "args": {k: v for k, v in vars(args).items()},
-            "method": "median over interleaved rounds of (round trip with the object - round "
-            "trip with an int), distribution-free 95% interval; see the script's docstring",
-            "results": run.results,
-            "first_handoff": run.first,
-            "skipped": run.skipped,
-            "seconds": time.monotonic() - run.started,
-        }
-        if args.raw_json:
-            with open(args.raw_json, "w") as f:
-                json.dump(record, f, indent=1)
-            log(f"raw numbers written to {args.raw_json}")
-        if args.json:
-            command = "python benchmarks/handoff_table.py " + " ".join(sys.argv[1:])
-            doc = _results.document(record, _results.handoff_rows(record), "handoff_table", command)
-            with open(args.json, "w") as f:
-                json.dump(doc, f, indent=1)
-            log(f"results written to {args.json}")
+
+
+def write(
+    run: Run,
+    dev: Any,
+    simulated: bool,
+    benchmark: str,
+    rows: Callable[[dict[str, Any]], list[dict[str, Any]]],
+    **more: Any,
+) -> None:
+    """Write a run's raw record (``--raw-json``, samples too) and its result rows (``--json``,
+    made by ``rows`` from the raw record) for ``benchmarks/<benchmark>.py``."""
+    args = run.args
+    if not (args.json or args.raw_json):
+        return
+    record = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "machine": {
+            "host": platform.node(),
+            "arch": platform.machine(),
+            "cpus": os.cpu_count(),
+            "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        },
+        "gpu": {"name": dev.name, "uuid": dev.uuid, "simulated": simulated},
+        "versions": versions(),
+        "args": dict(vars(args)),
+        "method": "median over interleaved rounds of (round trip with the object - round "
+        "trip with an int), distribution-free 95% interval; see the script's docstring",
+        "results": run.results,
+        **more,
+        "skipped": run.skipped,
+        "seconds": time.monotonic() - run.started,
+    }
+    if args.raw_json:
+        with open(args.raw_json, "w") as f:
+            json.dump(record, f, indent=1)
+        log(f"raw numbers written to {args.raw_json}")
+    if args.json:
+        command = f"python benchmarks/{benchmark}.py " + " ".join(sys.argv[1:])
+        doc = _results.document(record, rows(record), benchmark, command)
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+        log(f"results written to {args.json}")
 
 
 if __name__ == "__main__":

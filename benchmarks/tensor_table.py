@@ -34,10 +34,7 @@ by-value path (Ray's object store with torch's pickling).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import sys
 import time
 from typing import Any
@@ -334,37 +331,8 @@ def main() -> None:
     print(f"# torch tensor hand-off ({dev.name}; {gpus}; {machine()}; {run.elapsed()})")
     for engine in ("ray-actor", "ray-task", "dask", "mp"):
         table(run, engine)
-    if run.skipped:
-        print("\nLeft out:")
-        for s in run.skipped:
-            shown = s["sizes"] if s["sizes"] == "all" else ", ".join(map(ht.label, s["sizes"]))
-            print(f"- {s['engine']} {s['path']} ({shown}): {s['why']}")
-    if args.json or args.raw_json:
-        record = {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "machine": {
-                "host": platform.node(),
-                "arch": platform.machine(),
-                "cpus": os.cpu_count(),
-            },
-            "gpu": {"name": dev.name, "uuid": dev.uuid, "simulated": False},
-            "versions": ht.versions(),
-            "args": vars(args),
-            "method": "median over interleaved rounds of (round trip with the object - round "
-            "trip with an int), distribution-free 95% interval; see the script's docstring",
-            "results": run.results,
-            "skipped": run.skipped,
-            "seconds": time.monotonic() - run.started,
-        }
-        if args.raw_json:
-            with open(args.raw_json, "w") as f:
-                json.dump(record, f, indent=1)
-        if args.json:
-            command = "python benchmarks/tensor_table.py " + " ".join(sys.argv[1:])
-            doc = _results.document(record, rows(record), "tensor_table", command)
-            with open(args.json, "w") as f:
-                json.dump(doc, f, indent=1)
-            ht.log(f"results written to {args.json}")
+    ht.print_left_out(run)
+    ht.write(run, dev, False, "tensor_table", rows)
 
 
 if __name__ == "__main__":
