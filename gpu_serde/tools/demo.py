@@ -7,10 +7,14 @@ every other GPU worker maps it without a copy and reads the pattern back, at its
 Last, a worker that cannot see the GPU shows the error it raises. Without a real GPU the demo runs
 on simulated GPUs (:mod:`gpu_serde.testing`) and says so; their memory is host memory that the
 workers map, so the buffer step runs there too.
+
+Ray and distributed are imported in the functions that use them: each is an optional extra, and
+the demo runs one engine.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import sys
@@ -19,8 +23,17 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from cuda.core import (
+    Buffer,
+    Device,
+    DeviceMemoryResource,
+    DeviceMemoryResourceOptions,
+    LegacyPinnedMemoryResource,
+)
+
+import gpu_serde
 from gpu_serde import testing
-from gpu_serde.inventory import uuid_of
+from gpu_serde.inventory import inventory, uuid_of
 
 Row = tuple[str, tuple[Any, ...]]  # worker name, what _report returned
 Hop = dict[str, Any]  # one buffer hand-off, as _receive returned it plus "from"/"to"
@@ -36,8 +49,6 @@ def _say(text: str) -> None:
 
 def _prepare() -> tuple[list[str], bool]:
     """Return the host's GPU UUIDs (in host order) and whether they are simulated."""
-    from gpu_serde.inventory import inventory
-
     if not testing.real_driver_present():
         gpus = testing.make_gpus(4)  # the README's, the pytest fixture's, `gpu-serde simulate 4`'s
         testing.activate(gpus)
@@ -51,8 +62,6 @@ def _prepare() -> tuple[list[str], bool]:
 
 def _report(device: Any) -> tuple[Any, ...]:
     """Runs on a worker: what it made of the Device it received."""
-    import gpu_serde
-
     cvd = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
     try:
         d = gpu_serde.resolve(device)
@@ -64,10 +73,6 @@ def _report(device: Any) -> tuple[Any, ...]:
 def _export(device: Any) -> tuple[Any, dict[str, Any]]:
     """Runs on the exporter: a buffer from an IPC-enabled pool on ``device``, filled with a fresh
     4-byte pattern, and what the receivers need to know about it."""
-    from cuda.core import DeviceMemoryResource, DeviceMemoryResourceOptions
-
-    import gpu_serde
-
     dev = gpu_serde.resolve(device)
     dev.set_current()
     options = DeviceMemoryResourceOptions(ipc_enabled=True, max_size=2 * HANDOFF_BYTES)
@@ -81,10 +86,6 @@ def _export(device: Any) -> tuple[Any, dict[str, Any]]:
 
 def _read_ends(buf: Any, n: int) -> bytes:
     """The first and the last ``n`` bytes of device memory ``buf``, through pinned host memory."""
-    import ctypes
-
-    from cuda.core import Buffer, Device, LegacyPinnedMemoryResource
-
     dev = Device(buf.device_id)
     dev.set_current()  # Dask unpickles in another thread than the task's
     stream = dev.default_stream
@@ -103,8 +104,6 @@ def _read_ends(buf: Any, n: int) -> bytes:
 
 def _receive(sent: tuple[Any, dict[str, Any]]) -> dict[str, Any]:
     """Runs on a receiver: map the buffer, read both its ends back and compare with the pattern."""
-    import gpu_serde
-
     buf, exporter = sent
     try:
         buf = gpu_serde.resolve(buf)
@@ -299,15 +298,12 @@ def _handoff_ray(layout: dict[str, str], send: Any) -> list[Hop]:
 # ---- routing: the same Device sent to tasks routed with on() lands on its GPU ----
 # Each function returns rows for the demo's table ((label, (status, CUDA_VISIBLE_DEVICES, ordinal,
 # UUID or error))), one per distinct outcome of the routed tasks (the label says how many had it),
-# so the demo's verdict checks them as well. Ray and distributed are imported where they are used:
-# each is an optional extra, and the demo runs one engine.
+# so the demo's verdict checks them as well.
 ROUTED_TASKS = 8
 
 
 def _where(device: Any, place: str) -> tuple[str, tuple[Any, ...]]:
     """Runs in a routed task: where it ran, and what it made of the Device (as the demo reports)."""
-    import gpu_serde
-
     if place == "dask":
         from distributed import get_worker
 
@@ -427,10 +423,6 @@ def _run_ray(
 
 def run(engine: str = "dask") -> int:
     """Run the demo on ``engine`` (``"dask"`` or ``"ray"``); returns the exit status."""
-    from cuda.core import Device
-
-    import gpu_serde
-
     runners: dict[str, Callable[..., tuple[list[Row], list[Hop] | None]]] = {
         "dask": _run_dask,
         "ray": _run_ray,

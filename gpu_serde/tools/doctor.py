@@ -20,6 +20,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import gpu_serde
+from gpu_serde.inventory import inventory, uuid_of
+from gpu_serde.registry import is_installed
 from gpu_serde.routing import ownership_notes
 from gpu_serde.text import quoted, safe
 
@@ -84,10 +87,6 @@ class Survey:
 def probe() -> dict[str, Any]:
     """Runs on a worker: this process's view (never initialises CUDA before the engine assigns
     GPUs, since it runs as a task)."""
-    import gpu_serde
-    from gpu_serde.inventory import inventory
-    from gpu_serde.registry import is_installed
-
     inv = inventory()
     return {
         "host": inv.host,
@@ -106,9 +105,6 @@ def locate(device: Any) -> tuple[int, str]:
     Raises:
         DeviceNotVisibleError: the Device's GPU is not visible in this worker.
     """
-    import gpu_serde
-    from gpu_serde.inventory import uuid_of
-
     d = gpu_serde.resolve(device)
     return d.device_id, uuid_of(d.device_id)
 
@@ -170,7 +166,7 @@ def survey_dask(address: str, timeout: float = 30, expect: int = 0) -> Survey:
     Raises:
         OSError: the scheduler cannot be reached within ``timeout``.
     """
-    from distributed import Client
+    from distributed import Client  # the dask extra, optional: doctor --ray needs only Ray
 
     with Client(address, timeout=timeout) as client:
         if expect:
@@ -304,7 +300,7 @@ def _connect_ray(address: str, extra: dict[str, Any], timeout: float, source: st
             do), or could not connect (what Ray said).
     """
     _check_listening(address, timeout)
-    import gpu_serde.ray
+    import gpu_serde.ray  # Ray, an optional extra, only now: after the token mode is set
 
     with tempfile.TemporaryDirectory(prefix="gpu-serde-doctor-") as tmp:
         log = os.path.join(tmp, "ray.log")
@@ -338,7 +334,7 @@ def survey_ray(
     """
     me = _this_process()
     source = _use_ray_token()  # before Ray is imported: it reads the mode then
-    import ray
+    import ray  # an optional extra, and only once the token mode is set
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     connected = ray.is_initialized()  # called from a driver: survey its own cluster
@@ -348,12 +344,8 @@ def survey_ray(
             _connect_ray(address, extra, timeout, source)
         except ConnectionError:
             if not me.installed:
-                import gpu_serde
-
                 gpu_serde.uninstall()  # gpu_serde.ray.init installed it before Ray refused
             raise
-
-    import gpu_serde
 
     try:
         task = ray.remote(max_retries=0)(probe)
