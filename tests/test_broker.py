@@ -302,7 +302,7 @@ def test_a_hold_refuses_an_acquire_for_another_block():
         with pytest.raises(TokenRefusedError, match="another block"):
             acquire(b.address, token, bytes(reversed(BLOCK)))
         acquire(b.address, token, BLOCK)
-        assert b.holders() == {os.getpid(): 1}
+        assert wait_for(lambda: b.holders() == {os.getpid(): 1})  # the acquire's note
         assert release(b.address, token)
     finally:
         b.close()
@@ -399,7 +399,8 @@ def test_revoke_and_close_release_the_brokers_descriptors():
         b.close()
         with pytest.raises(ExporterGoneError):  # also over the connection kept from before
             fetch(b.address, tokens[1])
-        assert wait_for_fds("self", before - 1) == before - 1  # the listening socket is closed too
+        # the listening socket and the holds file are closed too
+        assert wait_for_fds("self", before - 2) == before - 2
     finally:
         os.close(fd)
 
@@ -588,20 +589,17 @@ import sys, time
 from gpu_serde.memory.broker import server
 b = server.Broker()
 acquire = b._acquire
-def slow(conn, token, block):
-    if token == bytes(range(16)):
-        time.sleep(1.5)  # the exporter is busy (a long C call, a full collection)
-    return acquire(conn, token, block)
+def slow(conn, token, stamp):
+    time.sleep(1.5)  # the exporter is busy (a long C call, a full collection)
+    return acquire(conn, token, stamp)
 b._acquire = slow
 kept = b.hold("in use", lambda obj: print("let go", flush=True), grace=0.1)
-slow_token = b.hold("another", lambda obj: None, grace=0.1)
-b._holds[bytes(range(16))] = b._holds.pop(slow_token)
 print(b.address, kept.hex(), flush=True)
 sys.stdin.read()
 """
 
 
-def test_an_answer_that_comes_late_loses_no_hold_the_process_has():
+def test_an_acquire_waits_for_no_answer_from_a_busy_exporter():
     proc = subprocess.Popen(
         [sys.executable, "-c", SLOW_BROKER],
         stdin=subprocess.PIPE,
@@ -610,12 +608,10 @@ def test_an_answer_that_comes_late_loses_no_hold_the_process_has():
     )
     try:
         address, kept = proc.stdout.readline().split()
-        acquire(address, bytes.fromhex(kept))  # a block this process is using
-        with pytest.raises(ExporterGoneError, match="did not answer"):
-            acquire(address, bytes(range(16)), timeout=0.3)  # the exporter answers late
-        time.sleep(1.5)  # its answer comes; the connection (and the hold on it) was kept
-        assert release(address, bytes.fromhex(kept))  # the hold was still this process's
-        assert broker_client.holds(address) == 0  # the late acquire was given back
+        acquire(address, bytes.fromhex(kept), timeout=0.3)  # the exporter takes 1.5 s to note it
+        assert broker_client.holds(address) == 1
+        assert release(address, bytes.fromhex(kept))
+        assert proc.stdout.readline().strip() == "let go"  # both notes counted, in order
     finally:
         proc.stdin.close()
         proc.wait(10)

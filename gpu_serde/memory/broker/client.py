@@ -1,28 +1,34 @@
-"""The descriptor broker's client side: ask another process's broker for a descriptor or a hold.
+"""The descriptor broker's client side: ask another process's broker for a descriptor, and hold
+the blocks it exports.
 
 A process keeps **one connection per exporting broker** and sends every request to that broker
-over it, one at a time. That connection is what the exporter ties this process's holds to: the
-holds this process acquired are released only over it, and when the process dies (or closes the
-connection) the kernel closes it and the exporter drops them all. So a connection that holds
-something is never closed here on purpose (a forked child closes only its own copy); one that
-holds nothing is closed when more than :data:`MAX_IDLE` such connections are open (the least
-recently used first), and the broker closes one that stays silent for its idle time. A reused
-idle connection that the broker closed in the meantime is opened again once (the broker never
-closes a connection between reading a request and answering it, so a request is never counted
-twice); a broken connection that held something is the exporter gone, and its holds with it.
+over it, one at a time. The broker checks nothing of what the connection says about holds: a hold
+is a **lock** in the broker's holds file (:mod:`gpu_serde.memory.broker.holdsfile`), which this
+process fetches once per broker (its own open file description of it), so taking a hold
+(:func:`acquire`) and giving it back (:func:`release`) need no answer from the exporter: a lock,
+a look at the table, and a note sent ahead on the connection (the exporter counts notes to know
+which process holds what, for :meth:`~gpu_serde.memory.broker.Broker.holders`; the locks are what
+it obeys). The kernel releases the locks when this process dies, however it dies.
+
+A connection that fetched the holds file is kept until this process closes it: it holds nothing
+when it is closed (the least recently used first, beyond :data:`MAX_IDLE` such connections), and
+closing it gives back whatever it still held. A plain connection (descriptors only) is also closed
+by the broker after its idle time; a reused one that the broker closed in the meantime is opened
+again once (the broker never closes a connection between reading a request and answering it).
 
 The client checks the broker's uid (abstract socket names carry no permissions) and gives up after
 a timeout (1 s by default) instead of hanging. The wire protocol, both sides: a request is
-:data:`REQUEST_BYTES` bytes (an operation, a token, and 16 bytes the broker checks: the block an
-acquire is for, the identity a fetch expects), an answer one byte (:data:`OK` with a descriptor for
-a fetch, :data:`NO`: unknown, let go, or not held over this connection; :data:`MISMATCH`: the token
-is real but was issued for another block or descriptor). The server side is
-:mod:`gpu_serde.memory.broker.server`.
+:data:`REQUEST_BYTES` bytes (an operation, a token, and 16 bytes the broker checks: the block a
+hold is for, the identity a fetch expects); a fetch is answered with one byte (:data:`OK` with a
+descriptor, :data:`NO`: unknown or revoked; :data:`MISMATCH`: the token is real but was issued for
+another descriptor), as is the request for the holds file; the notes of an acquire and a release
+are not answered. The server side is :mod:`gpu_serde.memory.broker.server`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import socket
 import struct
@@ -30,12 +36,15 @@ import threading
 import time
 
 from gpu_serde.errors import ExporterGoneError, HandoffError, TokenRefusedError
+from gpu_serde.memory.broker import holdsfile
+from gpu_serde.memory.broker.holdsfile import HoldsFile
 
 TOKEN_BYTES = 16
 CHECK_BYTES = 16
 REQUEST_BYTES = 1 + TOKEN_BYTES + CHECK_BYTES
 ADDRESS_MAX = 100  # abstract socket names stay well under the 107-byte limit
 FETCH = b"F"
+HOLDS_FILE = b"H"
 ACQUIRE = b"A"
 RELEASE = b"R"
 OK = b"K"
@@ -74,42 +83,49 @@ def recv_by(sock: socket.socket, data: bytes, n: int, deadline: float) -> bytes:
 
 class _Link:
     """This process's connection to one broker: the socket (None until needed), the lock that
-    makes its requests one at a time, how many holds it carries, and the answers still owed to it
-    (requests whose caller gave up waiting on a connection that carries holds: it is kept, and
-    the next request reads those answers first)."""
+    makes its requests one at a time, its view of the broker's holds file (None until the first
+    hold), and the holds it carries (token -> how many)."""
 
-    __slots__ = ("holds", "lock", "owed", "sock", "used")
+    __slots__ = ("file", "held", "holds", "lock", "sock", "used")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.sock: socket.socket | None = None
+        self.file: HoldsFile | None = None
+        self.held: dict[bytes, int] = {}
         self.holds = 0
-        self.owed: list[tuple[bytes, bytes]] = []  # (operation, token), oldest first
         self.used = 0.0
 
     def drop(self) -> None:
-        """Close the connection (the broker drops whatever it held over it)."""
+        """Close the connection and the holds file: every hold this process had at the broker is
+        given back (the kernel releases the file's locks, the broker drops the connection's
+        count)."""
         if self.sock is not None:
             with contextlib.suppress(OSError):
                 self.sock.close()
-        self.sock, self.holds, self.owed = None, 0, []
+        if self.file is not None:
+            self.file.close()
+        self.sock, self.file, self.held, self.holds = None, None, {}, 0
 
 
 _links: dict[str, _Link] = {}
 _links_lock = threading.Lock()
-_UNCOUNTED = b"u"  # an owed release that gives back an acquire its caller gave up on
 
 
 def _forget_after_fork() -> None:
     """A forked child shares none of its parent's connections, nor its holds: close the inherited
-    sockets (only this process's copies: the parent's connections and holds stay)."""
+    sockets and holds files (only this process's copies: the parent's connections and locks
+    stay, for an open file description's locks go only with its last descriptor)."""
     global _links_lock
     _links_lock = threading.Lock()
-    socks = [link.sock for link in _links.values() if link.sock is not None]
+    links = list(_links.values())
     _links.clear()
-    for sock in socks:  # this process's copies only: no shutdown
-        with contextlib.suppress(OSError):
-            sock.close()
+    for link in links:  # this process's copies only: no shutdown
+        if link.sock is not None:
+            with contextlib.suppress(OSError):
+                link.sock.close()
+        if link.file is not None:
+            link.file.close()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
@@ -130,7 +146,7 @@ def _close_idle(keep: int) -> None:
         idle = sorted(
             (link.used, address)
             for address, link in _links.items()
-            if link.holds == 0 and not link.owed and link.sock is not None
+            if link.holds == 0 and link.sock is not None
         )
         surplus = [address for _, address in idle[: max(0, len(idle) - keep)]]
         for address in [a for a, link in _links.items() if link.sock is None and not link.holds]:
@@ -138,6 +154,7 @@ def _close_idle(keep: int) -> None:
             if gone.lock.acquire(blocking=False):  # in use right now: kept
                 try:
                     if gone.sock is None and not gone.holds:
+                        gone.drop()
                         del _links[address]
                 finally:
                     gone.lock.release()
@@ -146,7 +163,7 @@ def _close_idle(keep: int) -> None:
         if link is None or not link.lock.acquire(blocking=False):
             continue  # in use right now: not idle
         try:
-            if link.holds == 0 and not link.owed and link.sock is not None:
+            if link.holds == 0 and link.sock is not None:
                 link.drop()
         finally:
             link.lock.release()
@@ -212,46 +229,6 @@ def _check_request(address: str, token: bytes, check: bytes) -> None:
         )
 
 
-class _Unanswered(Exception):
-    """No answer by the deadline; ``sent``: the request had left (its answer may still come)."""
-
-    def __init__(self, sent: bool) -> None:
-        super().__init__("no answer by the deadline")
-        self.sent = sent
-
-
-def _read_answer(sock: socket.socket, deadline: float) -> tuple[bytes, list[int]]:
-    sock.settimeout(max(0.01, deadline - time.monotonic()))
-    msg, fds, _, _ = socket.recv_fds(sock, 1, 1)
-    return msg, fds
-
-
-def _settle_owed(link: _Link, deadline: float) -> None:
-    """Read the answers still owed on ``link`` (holding its lock): an acquire that was counted
-    although its caller gave up is given back at once (a release, itself owed an answer); a
-    release that was counted takes its hold off.
-
-    Raises:
-        TimeoutError: an answer is still not there by ``deadline`` (it stays owed).
-        OSError: the connection broke (the broker dropped its holds).
-    """
-    assert link.sock is not None
-    while link.owed:
-        op, token = link.owed[0]
-        msg, fds = _read_answer(link.sock, deadline)
-        for fd in fds:
-            os.close(fd)
-        if not msg:
-            raise ConnectionResetError("the broker hung up")
-        link.owed.pop(0)
-        if msg == OK and op == ACQUIRE:  # counted for a caller that was told it failed
-            link.holds += 1
-            link.sock.sendall(RELEASE + token + NO_CHECK, NOSIGNAL)
-            link.owed.append((_UNCOUNTED, token))
-        elif msg == OK and op in (RELEASE, _UNCOUNTED):
-            link.holds = max(0, link.holds - 1)
-
-
 def _exchange(
     link: _Link, address: str, request: bytes, deadline: float
 ) -> tuple[bytes, list[int]]:
@@ -259,43 +236,30 @@ def _exchange(
     an idle connection was closed by the broker.
 
     Raises:
-        _Unanswered: no answer by ``deadline``.
+        TimeoutError: no answer by ``deadline``.
         OSError, ExporterGoneError: the connection broke, or none could be made.
     """
     while True:
         reused = link.sock is not None
         if link.sock is None:
-            try:
-                link.sock = _connect(address, deadline)
-            except TimeoutError:
-                raise _Unanswered(sent=False) from None
+            link.sock = _connect(address, deadline)
         sock = link.sock
-        try:
-            if link.owed:
-                _settle_owed(link, deadline)
-        except TimeoutError:
-            raise _Unanswered(sent=False) from None
-        sent = False
         try:
             sock.settimeout(max(0.01, deadline - time.monotonic()))
             sock.sendall(request, NOSIGNAL)
-            sent = True
-            msg, fds = _read_answer(sock, deadline)
-        except TimeoutError:
-            raise _Unanswered(sent) from None
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            msg, fds, _, _ = socket.recv_fds(sock, 1, 1)
         except (BrokenPipeError, ConnectionResetError):
-            if not reused or link.holds:
+            if not reused or link.file is not None:
                 raise
             msg, fds = b"", []
-        if msg or fds or not reused or link.holds:
+        if msg or fds or not reused or link.file is not None:
             return msg, fds
         link.drop()  # the broker closed it while idle (or exited): no request was read
 
 
-def _request(
-    address: str, op: bytes, token: bytes, check: bytes, timeout: float
-) -> tuple[bytes, list[int]]:
-    _check_request(address, token, check)
+def _taken(address: str, timeout: float) -> _Link:
+    """``address``'s link, its lock taken (the caller releases it)."""
     while True:
         link = _link(address)
         if not link.lock.acquire(timeout=max(0.0, timeout)):
@@ -306,46 +270,87 @@ def _request(
         with _links_lock:
             current = _links.get(address) is link
         if current:
-            break
+            return link
         link.lock.release()  # forgotten while this thread waited for it: take the new one
+
+
+def _request(
+    link: _Link,
+    address: str,
+    op: bytes,
+    token: bytes,
+    check: bytes,
+    deadline: float,
+    timeout: float,
+) -> tuple[bytes, list[int]]:
+    """One request and its answer over ``link`` (its lock held)."""
     try:
-        deadline = time.monotonic() + timeout  # from when this request has the connection
-        try:
-            msg, fds = _exchange(link, address, op + token + check, deadline)
-        except _Unanswered as exc:
-            if exc.sent and link.holds and link.sock is not None:
-                link.owed.append((op, token))  # kept: it carries holds; read later
-            elif link.holds == 0:
-                link.drop()  # nothing held over it: start afresh
-            raise ExporterGoneError(
-                f"the descriptor broker {address} did not answer within {timeout} s"
-            ) from None
-        except ExporterGoneError:
-            link.drop()
-            raise
-        except OSError as exc:  # reset or broken pipe: the exporter went away mid-request
-            link.drop()
-            raise ExporterGoneError(
-                f"the descriptor broker {address} hung up ({exc.strerror or exc})"
-            ) from None
-        if not msg:
-            for fd in fds:
-                os.close(fd)
-            link.drop()
-            raise ExporterGoneError(
-                f"the descriptor broker {address} hung up without answering: it is closing, or "
-                "this process runs as another user"
-            )
-        if msg == OK and op == ACQUIRE:
-            link.holds += 1
-        elif msg == OK and op == RELEASE:
-            link.holds = max(0, link.holds - 1)
-        link.used = time.monotonic()
-        return msg, fds
-    finally:
-        link.lock.release()
-        if link.holds == 0:
-            _close_idle(MAX_IDLE)
+        msg, fds = _exchange(link, address, op + token + check, deadline)
+    except TimeoutError:
+        link.drop()  # an answer may still come: the framing is lost, start afresh
+        raise ExporterGoneError(
+            f"the descriptor broker {address} did not answer within {timeout} s"
+        ) from None
+    except ExporterGoneError:
+        link.drop()
+        raise
+    except OSError as exc:  # reset or broken pipe: the exporter went away mid-request
+        link.drop()
+        raise ExporterGoneError(
+            f"the descriptor broker {address} hung up ({exc.strerror or exc})"
+        ) from None
+    if not msg:
+        for fd in fds:
+            os.close(fd)
+        link.drop()
+        raise ExporterGoneError(
+            f"the descriptor broker {address} hung up without answering: it is closing, or "
+            "this process runs as another user"
+        )
+    link.used = time.monotonic()
+    return msg, fds
+
+
+def _note(
+    link: _Link, address: str, op: bytes, token: bytes, check: bytes, deadline: float
+) -> None:
+    """Send a note (an acquire or a release: no answer) over ``link`` (its lock held).
+
+    Raises:
+        ExporterGoneError: the connection broke (it is dropped, and the holds over it).
+    """
+    assert link.sock is not None
+    try:
+        link.sock.settimeout(max(0.01, deadline - time.monotonic()))
+        link.sock.sendall(op + token + check, NOSIGNAL)
+    except OSError as exc:
+        link.drop()
+        raise ExporterGoneError(
+            f"the descriptor broker {address} hung up ({exc.strerror or exc})"
+        ) from None
+    link.used = time.monotonic()
+
+
+def _holds_file(link: _Link, address: str, deadline: float, timeout: float) -> HoldsFile:
+    """The broker's holds file, as this process sees it: fetched over ``link`` the first time."""
+    if link.file is not None and link.sock is not None:
+        return link.file
+    msg, fds = _request(link, address, HOLDS_FILE, bytes(TOKEN_BYTES), NO_CHECK, deadline, timeout)
+    if msg != OK or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        link.drop()
+        raise ExporterGoneError(
+            f"the descriptor broker {address} did not hand over its holds file: not a broker "
+            "of this version of gpu_serde"
+        )
+    try:
+        link.file = HoldsFile(fds[0])
+    except BaseException:
+        os.close(fds[0])
+        link.drop()
+        raise
+    return link.file
 
 
 def _mismatch(address: str, what: str) -> HandoffError:
@@ -355,47 +360,95 @@ def _mismatch(address: str, what: str) -> HandoffError:
     )
 
 
+def _let_go(address: str) -> TokenRefusedError:
+    return TokenRefusedError(
+        f"the exporter ({address}) no longer holds this object: every earlier importer "
+        "released it; send it again from the exporter"
+    )
+
+
 def acquire(address: str, token: bytes, block: bytes = NO_CHECK, *, timeout: float = 1.0) -> None:
-    """Tell the exporter that this process now uses the block held under ``token``. The hold is
-    this process's: only it can release it (:func:`release`), and the exporter drops it when
-    this process's connection to it closes (the process exits or dies).
+    """Hold the block that the exporter at ``address`` issued ``token`` for, in this process. The
+    hold is this process's: only it can release it (:func:`release`), and it goes when the
+    process exits or dies. No answer is awaited: the hold is a lock in the broker's holds file
+    (fetched, with a round trip, the first time), and the exporter is told with a note.
 
     Args:
-        block: the 16-byte digest of the block the payload names; the exporter checks that the
-            hold was issued for it (a hold issued for a block refuses the default, none).
+        block: the 16-byte digest of the block the payload names; the hold must have been issued
+            for it (a hold issued for a block refuses the default, none).
 
     Raises:
-        ExporterGoneError: as :func:`fetch`.
-        TokenRefusedError: the exporter no longer holds it (its last importer released it), or
-            the token was issued for another block.
+        ExporterGoneError: as :func:`fetch`; or the exporter exited.
+        TokenRefusedError: the exporter no longer holds it (its last importer released it), the
+            token is unknown, or it was issued for another block.
         ValueError: ``address``, ``token`` or ``block`` is malformed.
     """
-    msg, fds = _request(address, ACQUIRE, token, block, timeout)
-    for fd in fds:
-        os.close(fd)
-    if msg == MISMATCH:
-        raise _mismatch(address, "hold")
-    if msg != OK:
-        raise TokenRefusedError(
-            f"the exporter ({address}) no longer holds this object: every earlier importer "
-            "released it; send it again from the exporter"
-        )
+    _check_request(address, token, block)
+    link = _taken(address, timeout)
+    try:
+        deadline = time.monotonic() + timeout
+        file = _holds_file(link, address, deadline, timeout)
+        seq = holdsfile.seq_of(token)
+        first = token not in link.held
+        if seq == holdsfile.ALIVE or (
+            first and not holdsfile.try_lock(file.fd, fcntl.F_RDLCK, seq)
+        ):
+            raise _let_go(address)  # let go: the exporter write-locked it
+        try:
+            issued, held_block = file.slot(seq)
+            if issued != token:
+                raise _let_go(address)  # never issued (the slot is another hold's, or empty)
+            if held_block != NO_CHECK and held_block != block:
+                raise _mismatch(address, "hold")
+            if not holdsfile.write_locked(file.fd, holdsfile.ALIVE):
+                link.drop()
+                raise ExporterGoneError(
+                    f"the exporting process behind the descriptor broker {address} has exited"
+                )
+            stamp = time.monotonic_ns().to_bytes(8, "big") + bytes(CHECK_BYTES - 8)
+            _note(link, address, ACQUIRE, token, stamp, deadline)
+        except BaseException:
+            if first and link.file is file:
+                holdsfile.unlock(file.fd, seq)
+            raise
+        link.held[token] = link.held.get(token, 0) + 1
+        link.holds += 1
+    finally:
+        link.lock.release()
+        if link.holds == 0:
+            _close_idle(MAX_IDLE)
 
 
 def release(address: str, token: bytes, *, timeout: float = 1.0, gone: bool = False) -> bool:
-    """Tell the exporter that this process let go of one hold on the block under ``token``;
-    True if the exporter counted it (it counts only holds this process acquired). Never raises
-    for a vanished exporter (nothing is left to release), unless ``gone`` asks for its
-    :class:`~gpu_serde.ExporterGoneError`."""
-    try:
-        msg, fds = _request(address, RELEASE, token, NO_CHECK, timeout)
-    except ExporterGoneError:
-        if gone:
-            raise
+    """Give back one of this process's holds on the block under ``token``: the last one unlocks
+    it, and the exporter is told with a note. True if this process held it (a process can
+    release only its own holds). Never raises for a vanished exporter (nothing is left to
+    release), unless ``gone`` asks for its :class:`~gpu_serde.ExporterGoneError`."""
+    with _links_lock:
+        link = _links.get(address)
+    if link is None or token not in link.held:
         return False
-    for fd in fds:
-        os.close(fd)
-    return msg == OK
+    link.lock.acquire()
+    try:
+        n = link.held.get(token, 0)
+        if not n or link.file is None:
+            return False
+        if n == 1:
+            del link.held[token]
+            holdsfile.unlock(link.file.fd, holdsfile.seq_of(token))
+        else:
+            link.held[token] = n - 1
+        link.holds -= 1
+        try:
+            _note(link, address, RELEASE, token, NO_CHECK, time.monotonic() + timeout)
+        except ExporterGoneError:
+            if gone:
+                raise
+        return True
+    finally:
+        link.lock.release()
+        if link.holds == 0:
+            _close_idle(MAX_IDLE)
 
 
 def fetch(address: str, token: bytes, identity: bytes = NO_CHECK, *, timeout: float = 1.0) -> int:
@@ -415,7 +468,16 @@ def fetch(address: str, token: bytes, identity: bytes = NO_CHECK, *, timeout: fl
             for another descriptor than the payload names.
         ValueError: ``address``, ``token`` or ``identity`` is malformed.
     """
-    msg, fds = _request(address, FETCH, token, identity, timeout)
+    _check_request(address, token, identity)
+    link = _taken(address, timeout)
+    try:
+        msg, fds = _request(
+            link, address, FETCH, token, identity, time.monotonic() + timeout, timeout
+        )
+    finally:
+        link.lock.release()
+        if link.holds == 0:
+            _close_idle(MAX_IDLE)
     if msg == OK and len(fds) == 1:
         return fds[0]
     for fd in fds:
@@ -429,7 +491,7 @@ def fetch(address: str, token: bytes, identity: bytes = NO_CHECK, *, timeout: fl
 
 
 def holds(address: str) -> int:
-    """How many holds this process has at the broker at ``address`` (as this side counts them)."""
+    """How many holds this process has at the broker at ``address``."""
     with _links_lock:
         link = _links.get(address)
         return link.holds if link is not None else 0

@@ -9,20 +9,27 @@ timeout instead of hanging. Descriptors the broker serves are its own duplicates
 :meth:`Broker.revoke`, on :meth:`Broker.close` and at exit. The protocol is described in
 :mod:`gpu_serde.memory.broker.client`.
 
-**Holds belong to connections.** The exporter keeps a sent object alive under a token
-(:meth:`Broker.hold`) that names the block it was issued for. An importer's acquire counts on the
-connection it came over, which is that importing process's own (a process keeps one per broker);
-a release counts only against holds acquired over the same connection, so a process that never
-acquired (a Dask scheduler that saw the payload) cannot release anything. When a connection
-closes (the importer exited, was killed, or closed it), its holds are dropped at once. An object
-whose holds are all gone is let go :data:`grace <Broker.hold>` seconds later, unless it is
-acquired again in the meantime. A connection that holds something is never closed for idleness.
+**Holds are locks, and belong to their process.** The exporter keeps a sent object alive under a
+token (:meth:`Broker.hold`) that names the block it was issued for, in its holds file
+(:mod:`~gpu_serde.memory.broker.holdsfile`). An importer holds it by read-locking its byte there,
+through an open file description of its own, and tells the broker with a note that needs no
+answer; it releases by unlocking, and a note. The broker counts the notes per connection (which
+process holds what: :meth:`Broker.holders`), and lets an object go only when no note says it is
+held and it can write-lock its byte: the kernel refuses that while any process holds the read
+lock, and releases a process's locks when it dies, however it dies. A release counts only against
+holds noted over the same connection, and unlocks only the releasing process's own lock, so a
+process that never acquired (a Dask scheduler that saw the payload) cannot release anything. When
+a connection closes (the importer exited, was killed, or closed it), its notes are dropped at
+once. An object whose holds are all gone is let go :data:`grace <Broker.hold>` seconds later,
+unless it is acquired again in the meantime. A connection that took the holds file is never
+closed for idleness (its process closes it).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import os
 import secrets
 import socket
@@ -32,10 +39,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpu_serde.memory.broker import holdsfile
 from gpu_serde.memory.broker.client import (
     ACQUIRE,
     CHECK_BYTES,
     FETCH,
+    HOLDS_FILE,
     MISMATCH,
     NO,
     NOSIGNAL,
@@ -53,6 +62,9 @@ IDLE_S = 60.0
 #: at most this long per request, however it paces its bytes).
 REQUEST_S = 1.0
 ANY = bytes(CHECK_BYTES)  #: offered or held without a check: any payload may name it
+#: Seconds before the broker tries again to let go of an object whose lock a process still held
+#: when its grace ran out (its acquire's note was on its way).
+RETRY_S = 0.05
 
 
 @dataclass
@@ -61,12 +73,14 @@ class _Hold:
     is due to be let go."""
 
     obj: Any
+    seq: int  # its byte in the holds file
     block: bytes
     on_release: Callable[[Any], None]
     grace: float
     holders: dict[int, int] = field(default_factory=dict)  # connection id -> holds over it
     due: float | None = None  # monotonic time to let go (its holders all gone), else None
     unclaimed: bool = True  # sent since its last acquire: kept until the next one
+    sent_at: int = 0  # monotonic ns of the last send again: an older lock claims nothing
 
 
 class Broker:
@@ -80,6 +94,10 @@ class Broker:
         self._held_over: dict[int, dict[bytes, int]] = {}  # connection id -> token -> holds
         self._peers: dict[int, int] = {}  # connection id -> the peer's pid (0: unknown)
         self._closed = False
+        self._file = holdsfile.HoldsFile.create()
+        self._seq = holdsfile.ALIVE
+        self._slots: set[int] = set()  # table slots of the holds not let go
+        self._lockers: set[int] = set()  # connections that took the holds file
         self._exiting = False  # set at exit: nothing is let go any more
         self._conns: dict[socket.socket, threading.Thread] = {}  # connections being served
         self._due = threading.Event()  # an object's last holder went
@@ -140,12 +158,26 @@ class Broker:
         delays no reply). An object never acquired (or sent again, :meth:`sent_again`, and not
         acquired since) is kept until :meth:`close` or exit.
         """
-        token = secrets.token_bytes(TOKEN_BYTES)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the descriptor broker is closed")
-            self._holds[token] = _Hold(obj, block, on_release, grace)
+            seq = self._next_seq()
+            token = seq.to_bytes(8, "big") + secrets.token_bytes(TOKEN_BYTES - 8)
+            self._file.write(seq, token, block)
+            self._slots.add(seq % holdsfile.SLOTS)
+            self._holds[token] = _Hold(obj, seq, block, on_release, grace)
         return token
+
+    def _next_seq(self) -> int:
+        """The next hold's sequence number, whose table slot is free (with the lock)."""
+        for _ in range(holdsfile.SLOTS):
+            self._seq += 1
+            if self._seq % holdsfile.SLOTS not in self._slots:
+                return self._seq
+        raise RuntimeError(
+            f"this process holds {holdsfile.SLOTS:,} sent objects for importers, the most a "
+            "broker can: let importers free what they received"
+        )
 
     def sent_again(self, token: bytes, obj: object) -> bool:
         """``obj``, held under ``token``, was sent again: keep it until it is acquired again, as a
@@ -160,6 +192,7 @@ class Broker:
             if entry is None or entry.obj is not obj:
                 return False
             entry.unclaimed, entry.due = True, None
+            entry.sent_at = time.monotonic_ns()
             return True
 
     def peek(self, token: bytes, block: bytes | None = None) -> object | None:
@@ -186,15 +219,19 @@ class Broker:
                 out[pid] = out.get(pid, 0) + sum(tokens.values())
         return out
 
-    def _acquire(self, conn: int, token: bytes, block: bytes) -> bytes:
+    def _acquire(self, conn: int, token: bytes, stamp: bytes) -> bytes:
+        """An importer's note that it holds ``token``: count it. ``stamp`` says when it took
+        the lock (:func:`time.monotonic_ns`, one clock for the whole host): a lock taken before
+        the object was last sent again was for an earlier payload, and leaves the new one
+        unclaimed (its note may come after the send)."""
         with self._lock:
             entry = self._holds.get(token)
             if entry is None:
-                return NO  # unknown, or let go already
-            if entry.block != ANY and entry.block != block:
-                return MISMATCH
+                return NO  # unknown, or let go already (the importer's lock was refused)
             entry.holders[conn] = entry.holders.get(conn, 0) + 1
-            entry.due, entry.unclaimed = None, False
+            entry.due = None
+            if int.from_bytes(stamp[:8], "big") >= entry.sent_at:
+                entry.unclaimed = False
             tokens = self._held_over.setdefault(conn, {})
             tokens[token] = tokens.get(token, 0) + 1
         return OK
@@ -240,9 +277,10 @@ class Broker:
                 self._let_one_go(conn, token, tokens, n)
         self._due.set()
 
-    def _holds_over(self, conn: int) -> bool:
+    def _kept_open(self, conn: int) -> bool:
+        """True for a connection the broker never closes for idleness: it took the holds file."""
         with self._lock:
-            return bool(self._held_over.get(conn))
+            return conn in self._lockers
 
     def _release_loop(self) -> None:
         """The release thread: lets go of objects once their grace has passed."""
@@ -264,11 +302,19 @@ class Broker:
             self._letting_go.join(timeout)
 
     def _sweep(self) -> None:
-        """Let go of objects whose holders all went more than ``grace`` s ago."""
+        """Let go of objects whose holders all went more than ``grace`` s ago, and which no
+        process holds a lock on (one whose acquire's note is still on its way is kept)."""
         now = time.monotonic()
+        dropped = []
         with self._lock:
-            due = [t for t, e in self._holds.items() if e.due is not None and e.due <= now]
-            dropped = [self._holds.pop(t) for t in due]
+            for token, entry in list(self._holds.items()):
+                if entry.due is None or entry.due > now:
+                    continue
+                if not holdsfile.try_lock(self._file.fd, fcntl.F_WRLCK, entry.seq):
+                    entry.due = now + RETRY_S  # held: its note will come, or the lock will go
+                    continue
+                dropped.append(self._holds.pop(token))  # the write lock stays: refused for good
+                self._slots.discard(entry.seq % holdsfile.SLOTS)
         for entry in dropped:
             obj, on_release = entry.obj, entry.on_release
             entry.obj = None
@@ -291,6 +337,7 @@ class Broker:
         self._due.set()  # the release thread ends
         for fd in fds:
             os.close(fd)
+        self._file.close()  # the exporter's locks go (when it is the last copy): importers see it
         if not inherited:
             with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_RDWR)  # wakes the serving thread's accept
@@ -349,13 +396,14 @@ class Broker:
             self._connection_gone(key)  # before the id can be reused by a new socket
             with self._lock:
                 self._conns.pop(conn, None)
+                self._lockers.discard(key)
 
     def _answer(self, conn: socket.socket, key: int) -> bool:
         """Answer one request on ``conn``; False when the connection is done (the peer hung up or
         sent a malformed request). Raises ``TimeoutError`` after :data:`IDLE_S` of silence on a
         connection that holds nothing, or when a request is not complete :data:`REQUEST_S` after
         its first byte."""
-        conn.settimeout(None if self._holds_over(key) else IDLE_S)
+        conn.settimeout(None if self._kept_open(key) else IDLE_S)
         request = conn.recv(REQUEST_BYTES)
         if not request:
             return False
@@ -364,14 +412,23 @@ class Broker:
             request = recv_by(conn, request, REQUEST_BYTES, deadline)
         conn.settimeout(REQUEST_S)  # the answer, too, is bounded: a peer that never reads
         op, token, check = request[:1], request[1:17], request[17:]
-        if len(request) != REQUEST_BYTES or op not in (FETCH, ACQUIRE, RELEASE):
+        if len(request) != REQUEST_BYTES or op not in (FETCH, ACQUIRE, RELEASE, HOLDS_FILE):
             conn.sendall(NO, NOSIGNAL)
             return False  # the framing is lost: the peer reconnects
-        if op == ACQUIRE:
-            conn.sendall(self._acquire(key, token, check), NOSIGNAL)
+        if op == ACQUIRE:  # notes: not answered
+            self._acquire(key, token, check)
             return True
         if op == RELEASE:
-            conn.sendall(self._release(key, token), NOSIGNAL)
+            self._release(key, token)
+            return True
+        if op == HOLDS_FILE:
+            own = self._file.reopened()  # the importer's own open file description: its locks
+            try:
+                socket.send_fds(conn, [OK], [own], NOSIGNAL)
+            finally:
+                os.close(own)
+            with self._lock:
+                self._lockers.add(key)
             return True
         with self._lock:
             entry = self._fds.get(token)

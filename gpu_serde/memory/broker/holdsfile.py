@@ -1,0 +1,111 @@
+"""The holds file: how an importer takes and checks a hold with no round trip to the exporter.
+
+Each broker keeps one memory file (``memfd``) whose bytes are a table of the holds it has issued,
+and whose **byte-range locks** (open file description locks, ``F_OFD_SETLK``) are the holds
+themselves:
+
+- A hold's token starts with its sequence number (8 bytes, big-endian; the other 8 are random).
+  Slot ``seq % SLOTS`` of the table (:data:`SLOT_BYTES` each) holds the token and the block it was
+  issued for, written by the exporter before the hold's first payload leaves.
+- An importer holds by taking a **read lock** on the byte at offset ``seq``, then reading the slot
+  (a token or block that does not match is refused, and the lock given back), then checking that
+  the exporter is alive (its write lock on byte :data:`ALIVE`).
+- The exporter lets a hold go only by taking a **write lock** on its byte, which it keeps for its
+  life: the kernel grants it only while no importer holds a read lock, and refuses every read lock
+  after it. An importer that reads a payload after its hold was let go is refused; an exporter
+  never lets go of a block a reader holds.
+- A lock belongs to the open file description it was taken through. Each importer gets its own
+  (the broker opens the file afresh for each one, read-only), so a process releases only its own
+  holds, and the kernel releases them all when the process dies, however it dies.
+
+The sequence and the locks live in the kernel; the table only says what each hold was issued for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import struct
+
+#: Slots in the table: the most holds a broker can have issued and not yet let go.
+SLOTS = 1 << 18
+SLOT_BYTES = 32  # token (16) and block (16)
+ALIVE = 0  #: the byte the exporter write-locks for its life
+_SEQ_MASK = (1 << 62) - 1
+_FLOCK = struct.Struct("hhxxxxqqixxxx")  # struct flock, 64-bit Linux: type, whence, start, len, pid
+
+
+def seq_of(token: bytes) -> int:
+    """The sequence number (the lock's offset) that ``token`` names."""
+    return int.from_bytes(token[:8], "big") & _SEQ_MASK
+
+
+def _lock(fd: int, kind: int, offset: int, command: int = fcntl.F_OFD_SETLK) -> int:
+    result = fcntl.fcntl(fd, command, _FLOCK.pack(kind, os.SEEK_SET, offset, 1, 0))
+    return int(_FLOCK.unpack(result)[0])
+
+
+def try_lock(fd: int, kind: int, offset: int) -> bool:
+    """Take a ``kind`` lock (``fcntl.F_RDLCK`` or ``fcntl.F_WRLCK``) on byte ``offset`` without
+    waiting; False when another open file description's lock conflicts."""
+    try:
+        _lock(fd, kind, offset)
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def unlock(fd: int, offset: int) -> None:
+    """Give back this open file description's lock on byte ``offset``."""
+    _lock(fd, fcntl.F_UNLCK, offset)
+
+
+def write_locked(fd: int, offset: int) -> bool:
+    """True when another open file description holds a write lock on byte ``offset``."""
+    return _lock(fd, fcntl.F_RDLCK, offset, fcntl.F_OFD_GETLK) != fcntl.F_UNLCK
+
+
+class HoldsFile:
+    """One side's view of a broker's holds file: its descriptor, an open file description of its
+    own (read-write for the exporter, read-only for importers)."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    @classmethod
+    def create(cls) -> HoldsFile:
+        """The exporter's: a new, empty file, write-locked at :data:`ALIVE` for its life."""
+        fd = os.memfd_create("gpu_serde-holds", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, SLOTS * SLOT_BYTES)  # sparse: only written slots take memory
+            _lock(fd, fcntl.F_WRLCK, ALIVE)
+            return cls(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def reopened(self) -> int:
+        """A new, read-only open file description of the file, for one importer (its locks are
+        its own). The caller sends and closes it."""
+        return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+    def write(self, seq: int, token: bytes, block: bytes) -> None:
+        """Record in ``seq``'s slot the hold ``token`` and the block it was issued for."""
+        os.pwrite(self.fd, token + block, (seq % SLOTS) * SLOT_BYTES)
+
+    def slot(self, seq: int) -> tuple[bytes, bytes]:
+        """The token and block recorded in ``seq``'s slot."""
+        entry = os.pread(self.fd, SLOT_BYTES, (seq % SLOTS) * SLOT_BYTES)
+        return entry[:16], entry[16:]
+
+    def close(self) -> None:
+        """Close this side's view; closing the exporter's last copy releases its write locks (its
+        holds, and :data:`ALIVE`: importers then see it gone), an importer's its read locks."""
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
