@@ -293,6 +293,62 @@ def test_a_killed_holder_gives_its_holds_back_within_the_grace_period():
         b.close()
 
 
+SILENT_HOLDER = """
+import fcntl, sys
+from gpu_serde.memory.broker import client, holdsfile
+address, token = sys.argv[1], bytes.fromhex(sys.argv[2])
+link = client._taken(address, 1.0)
+file = client._holds_file(link, address, 10**9, 1.0)  # the file, as acquire fetches it
+assert holdsfile.try_lock(file.fd, fcntl.F_RDLCK, holdsfile.seq_of(token))  # no note sent
+print("locked", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_block_locked_by_a_process_whose_note_has_not_arrived_is_never_let_go():
+    b = Broker()
+    let_go = []
+    try:
+        token = b.hold("a block", let_go.append, block=BLOCK, grace=0.1)
+        silent = subprocess.Popen(
+            [sys.executable, "-c", SILENT_HOLDER, b.address, token.hex()],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert silent.stdout.readline().strip() == "locked"
+        acquire(b.address, token, BLOCK)  # this process's hold, noted
+        assert release(b.address, token)  # the last noted holder goes: due after the grace
+        time.sleep(0.6)
+        assert let_go == [] and b.peek(token) == "a block"  # the kernel refused the write lock
+        silent.kill()  # its lock goes with it, though it never said a word
+        silent.wait(10)
+        assert wait_for(lambda: let_go == ["a block"])
+        with pytest.raises(TokenRefusedError, match="no longer holds"):
+            acquire(b.address, token, BLOCK)  # let go for good: refused by the lock
+    finally:
+        b.close()
+
+
+def test_a_forged_token_takes_no_hold_and_leaves_no_lock():
+    b = Broker()
+    try:
+        token = b.hold("a block", lambda obj: None, block=BLOCK)
+        forged = [
+            token[:8] + bytes(8),  # the real sequence number, another random half
+            (int.from_bytes(token[:8], "big") + 7).to_bytes(8, "big") + token[8:],  # not issued
+            bytes(16),  # the exporter's own byte
+        ]
+        for bad in forged:
+            with pytest.raises(TokenRefusedError, match="no longer holds"):
+                acquire(b.address, bad, BLOCK)
+        assert broker_client.holds(b.address) == 0
+        acquire(b.address, token, BLOCK)  # the real one still holds
+        assert release(b.address, token)
+    finally:
+        b.close()
+
+
 def test_a_hold_refuses_an_acquire_for_another_block():
     b = Broker()
     try:

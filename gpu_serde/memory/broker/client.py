@@ -250,12 +250,23 @@ def _exchange(
             sock.settimeout(max(0.01, deadline - time.monotonic()))
             msg, fds, _, _ = socket.recv_fds(sock, 1, 1)
         except (BrokenPipeError, ConnectionResetError):
-            if not reused or link.file is not None:
+            if not reused:
                 raise
             msg, fds = b"", []
-        if msg or fds or not reused or link.file is not None:
+        if msg or fds or not reused:
             return msg, fds
-        link.drop()  # the broker closed it while idle (or exited): no request was read
+        with contextlib.suppress(OSError):  # closed while idle (or the exporter exited): no
+            sock.close()  # request was read; the holds file, and its locks, stay
+        link.sock = None
+
+
+def _hang_up(link: _Link) -> None:
+    """Close ``link``'s connection, not its holds file: the locks taken through it stay (they are
+    the holds), and are given back one by one, or with the file when nothing is held."""
+    if link.sock is not None:
+        with contextlib.suppress(OSError):
+            link.sock.close()
+        link.sock = None
 
 
 def _taken(address: str, timeout: float) -> _Link:
@@ -287,22 +298,22 @@ def _request(
     try:
         msg, fds = _exchange(link, address, op + token + check, deadline)
     except TimeoutError:
-        link.drop()  # an answer may still come: the framing is lost, start afresh
+        _hang_up(link)  # an answer may still come: the framing is lost, start afresh
         raise ExporterGoneError(
             f"the descriptor broker {address} did not answer within {timeout} s"
         ) from None
     except ExporterGoneError:
-        link.drop()
+        _hang_up(link)
         raise
     except OSError as exc:  # reset or broken pipe: the exporter went away mid-request
-        link.drop()
+        _hang_up(link)
         raise ExporterGoneError(
             f"the descriptor broker {address} hung up ({exc.strerror or exc})"
         ) from None
     if not msg:
         for fd in fds:
             os.close(fd)
-        link.drop()
+        _hang_up(link)
         raise ExporterGoneError(
             f"the descriptor broker {address} hung up without answering: it is closing, or "
             "this process runs as another user"
@@ -311,35 +322,33 @@ def _request(
     return msg, fds
 
 
-def _note(
-    link: _Link, address: str, op: bytes, token: bytes, check: bytes, deadline: float
-) -> None:
-    """Send a note (an acquire or a release: no answer) over ``link`` (its lock held).
-
-    Raises:
-        ExporterGoneError: the connection broke (it is dropped, and the holds over it).
-    """
-    assert link.sock is not None
+def _note(link: _Link, address: str, op: bytes, token: bytes, check: bytes, timeout: float) -> bool:
+    """Send a note (an acquire or a release: no answer) over ``link`` (its lock held), connecting
+    again if needed; False when it could not be sent. Losing a note loses no hold: the locks are
+    what the exporter obeys; an unsent acquire's note only keeps the block longer, and a broken
+    connection is closed, never the holds file."""
     try:
-        link.sock.settimeout(max(0.01, deadline - time.monotonic()))
+        if link.sock is None:
+            link.sock = _connect(address, time.monotonic() + timeout)
+        if link.sock.gettimeout() != timeout:
+            link.sock.settimeout(timeout)
         link.sock.sendall(op + token + check, NOSIGNAL)
-    except OSError as exc:
-        link.drop()
-        raise ExporterGoneError(
-            f"the descriptor broker {address} hung up ({exc.strerror or exc})"
-        ) from None
+    except (OSError, ExporterGoneError):  # TimeoutError too: the framing may be lost
+        _hang_up(link)
+        return False
     link.used = time.monotonic()
+    return True
 
 
 def _holds_file(link: _Link, address: str, deadline: float, timeout: float) -> HoldsFile:
     """The broker's holds file, as this process sees it: fetched over ``link`` the first time."""
-    if link.file is not None and link.sock is not None:
+    if link.file is not None:
         return link.file
     msg, fds = _request(link, address, HOLDS_FILE, bytes(TOKEN_BYTES), NO_CHECK, deadline, timeout)
     if msg != OK or len(fds) != 1:
         for fd in fds:
             os.close(fd)
-        link.drop()
+        _hang_up(link)
         raise ExporterGoneError(
             f"the descriptor broker {address} did not hand over its holds file: not a broker "
             "of this version of gpu_serde"
@@ -348,7 +357,7 @@ def _holds_file(link: _Link, address: str, deadline: float, timeout: float) -> H
         link.file = HoldsFile(fds[0])
     except BaseException:
         os.close(fds[0])
-        link.drop()
+        _hang_up(link)
         raise
     return link.file
 
@@ -405,14 +414,14 @@ def acquire(address: str, token: bytes, block: bytes = NO_CHECK, *, timeout: flo
                 raise ExporterGoneError(
                     f"the exporting process behind the descriptor broker {address} has exited"
                 )
-            stamp = time.monotonic_ns().to_bytes(8, "big") + bytes(CHECK_BYTES - 8)
-            _note(link, address, ACQUIRE, token, stamp, deadline)
         except BaseException:
             if first and link.file is file:
                 holdsfile.unlock(file.fd, seq)
             raise
         link.held[token] = link.held.get(token, 0) + 1
         link.holds += 1
+        stamp = time.monotonic_ns().to_bytes(8, "big") + bytes(CHECK_BYTES - 8)
+        _note(link, address, ACQUIRE, token, stamp, timeout)
     finally:
         link.lock.release()
         if link.holds == 0:
@@ -423,7 +432,8 @@ def release(address: str, token: bytes, *, timeout: float = 1.0, gone: bool = Fa
     """Give back one of this process's holds on the block under ``token``: the last one unlocks
     it, and the exporter is told with a note. True if this process held it (a process can
     release only its own holds). Never raises for a vanished exporter (nothing is left to
-    release), unless ``gone`` asks for its :class:`~gpu_serde.ExporterGoneError`."""
+    release), unless ``gone`` asks for its :class:`~gpu_serde.ExporterGoneError` when the
+    exporter could not be told."""
     with _links_lock:
         link = _links.get(address)
     if link is None or token not in link.held:
@@ -439,11 +449,8 @@ def release(address: str, token: bytes, *, timeout: float = 1.0, gone: bool = Fa
         else:
             link.held[token] = n - 1
         link.holds -= 1
-        try:
-            _note(link, address, RELEASE, token, NO_CHECK, time.monotonic() + timeout)
-        except ExporterGoneError:
-            if gone:
-                raise
+        if not _note(link, address, RELEASE, token, NO_CHECK, timeout) and gone:
+            raise ExporterGoneError(f"the descriptor broker {address} could not be told")
         return True
     finally:
         link.lock.release()

@@ -416,6 +416,8 @@ class Broker:
             conn.sendall(NO, NOSIGNAL)
             return False  # the framing is lost: the peer reconnects
         if op == ACQUIRE:  # notes: not answered
+            with self._lock:
+                self._lockers.add(key)  # it holds through the file: never closed for idleness
             self._acquire(key, token, check)
             return True
         if op == RELEASE:
