@@ -3,6 +3,7 @@ exporter is reported at once, and nothing leaks."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import time
 import pytest
 
 from gpu_serde.errors import ExporterGoneError, TokenRefusedError
-from gpu_serde.memory.broker import Broker, acquire, disconnect, fetch, release, server
+from gpu_serde.memory.broker import Broker, acquire, disconnect, fetch, holdsfile, release, server
 from gpu_serde.memory.broker import client as broker_client
 
 EXPORTER = """
@@ -343,7 +344,11 @@ def test_a_forged_token_takes_no_hold_and_leaves_no_lock():
             with pytest.raises(TokenRefusedError, match="no longer holds"):
                 acquire(b.address, bad, BLOCK)
         assert broker_client.holds(b.address) == 0
-        acquire(b.address, token, BLOCK)  # the real one still holds
+        acquire(b.address, token, BLOCK)  # the real one holds
+        with pytest.raises(TokenRefusedError, match="no longer holds"):
+            acquire(b.address, forged[0], BLOCK)  # its number, while this process holds it
+        seq = int.from_bytes(token[:8], "big")
+        assert not holdsfile.try_lock(b._file.fd, fcntl.F_WRLCK, seq)  # still locked
         assert release(b.address, token)
     finally:
         b.close()

@@ -86,13 +86,14 @@ class _Link:
     makes its requests one at a time, its view of the broker's holds file (None until the first
     hold), and the holds it carries (token -> how many)."""
 
-    __slots__ = ("file", "held", "holds", "lock", "sock", "used")
+    __slots__ = ("file", "held", "holds", "lock", "locked", "sock", "used")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.sock: socket.socket | None = None
         self.file: HoldsFile | None = None
         self.held: dict[bytes, int] = {}
+        self.locked: dict[int, bytes] = {}  # sequence number -> the token its lock was taken for
         self.holds = 0
         self.used = 0.0
 
@@ -105,7 +106,7 @@ class _Link:
                 self.sock.close()
         if self.file is not None:
             self.file.close()
-        self.sock, self.file, self.held, self.holds = None, None, {}, 0
+        self.sock, self.file, self.held, self.locked, self.holds = None, None, {}, {}, 0
 
 
 _links: dict[str, _Link] = {}
@@ -398,7 +399,9 @@ def acquire(address: str, token: bytes, block: bytes = NO_CHECK, *, timeout: flo
         deadline = time.monotonic() + timeout
         file = _holds_file(link, address, deadline, timeout)
         seq = holdsfile.seq_of(token)
-        first = token not in link.held
+        # a lock is one per byte, not a count: taken once per sequence number, whatever token
+        # names it (a forged token that shares a held one's number must not unlock it)
+        first = seq not in link.locked
         if seq == holdsfile.ALIVE or (
             first and not holdsfile.try_lock(file.fd, fcntl.F_RDLCK, seq)
         ):
@@ -418,6 +421,7 @@ def acquire(address: str, token: bytes, block: bytes = NO_CHECK, *, timeout: flo
             if first and link.file is file:
                 holdsfile.unlock(file.fd, seq)
             raise
+        link.locked[seq] = token
         link.held[token] = link.held.get(token, 0) + 1
         link.holds += 1
         stamp = time.monotonic_ns().to_bytes(8, "big") + bytes(CHECK_BYTES - 8)
@@ -445,6 +449,7 @@ def release(address: str, token: bytes, *, timeout: float = 1.0, gone: bool = Fa
             return False
         if n == 1:
             del link.held[token]
+            del link.locked[holdsfile.seq_of(token)]
             holdsfile.unlock(link.file.fd, holdsfile.seq_of(token))
         else:
             link.held[token] = n - 1
