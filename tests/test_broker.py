@@ -3,8 +3,10 @@ exporter is reported at once, and nothing leaks."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -350,6 +352,65 @@ def test_a_forged_token_takes_no_hold_and_leaves_no_lock():
         seq = int.from_bytes(token[:8], "big")
         assert not holdsfile.try_lock(b._file.fd, fcntl.F_WRLCK, seq)  # still locked
         assert release(b.address, token)
+    finally:
+        b.close()
+
+
+SHELLING_HOLDER = """
+import os, sys
+from gpu_serde.memory.broker import acquire
+acquire(sys.argv[1], bytes.fromhex(sys.argv[2]))
+os.system("sleep 30 &")  # a program it runs inherits none of its holds
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_killed_holders_hold_comes_back_though_a_program_it_started_lives_on():
+    b = Broker()
+    let_go = []
+    try:
+        token = b.hold("a block", let_go.append, grace=0.1)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SHELLING_HOLDER, b.address, token.hex()],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        assert proc.stdout.readline().strip() == "held"
+        assert wait_for(lambda: b.holders() == {proc.pid: 1})
+        proc.kill()
+        proc.wait(10)
+        assert wait_for(lambda: let_go == ["a block"])  # the sleep still runs
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        b.close()
+
+
+def test_a_broken_connection_loses_no_note_the_next_one_carries_the_holds_again(monkeypatch):
+    monkeypatch.setattr(server, "IDLE_S", 0.3)
+    b = Broker()
+    let_go = []
+    try:
+        kept = b.hold("kept", let_go.append, grace=0.1)
+        acquire(b.address, kept)
+        assert wait_for(lambda: b.holders() == {os.getpid(): 1})
+        broker_client._hang_up(broker_client._links[b.address])  # as a request that timed out
+        assert wait_for(lambda: b.holders() == {})  # the broker dropped that connection's notes
+        fd = os.memfd_create("x")
+        os.close(fetch(b.address, b.offer(fd)))  # a new connection: it carries the hold again
+        os.close(fd)
+        assert wait_for(lambda: b.holders() == {os.getpid(): 1})
+        time.sleep(0.6)  # longer than the idle time: kept open, it carries a hold
+        token = b.hold("new", let_go.append, grace=0.1)
+        acquire(b.address, token)
+        assert wait_for(lambda: b.holders() == {os.getpid(): 2})
+        assert release(b.address, token)
+        assert wait_for(lambda: let_go == ["new"])  # claimed, released, let go
+        assert release(b.address, kept)
+        assert wait_for(lambda: let_go == ["new", "kept"])
     finally:
         b.close()
 

@@ -5,15 +5,16 @@ pinned, VMM, arena, and the tensor kinds to come).
 (:mod:`gpu_serde.memory.broker`) under a token that names the block it was issued for, and keeps
 travelling as the payload it was first sent with while that hold lasts, so sending it again costs
 nothing. The broker owns the holds: each belongs to the importing process that acquired it, is
-released only by that process, and is dropped when that process's connection closes (it exited or
-was killed). An object whose holds are all gone is let go :data:`RELEASE_GRACE_S` seconds later,
-unless it was sent since its last acquire: a payload not yet acquired keeps it (a payload may
+released only by that process, and is dropped when that process exits or is killed (a hold is
+a lock in the broker's holds file, which the kernel releases with the process; taking one waits
+for no answer from the exporter). An object whose holds are all gone is let go
+:data:`RELEASE_GRACE_S` seconds later, unless it was sent since its last acquire: a payload not yet acquired keeps it (a payload may
 wait in Ray's object store, or in a Dask graph, longer than the grace period).
 **A sender never fails**: a buffer that cannot be sent (closed, and no longer held) raises
 :class:`~gpu_serde.HandoffError` here, which the reducers turn into a payload that raises the same
 error in the receiver, when the buffer is used (:mod:`gpu_serde.memory.unsent`).
 
-**The importer's side** (:class:`Import`). Acquire (the exporter checks the block), key, hold,
+**The importer's side** (:class:`Import`). Acquire (the table checks the block), key, hold,
 release at once if the mapping fails, track: written once, here::
 
     with lifetime.Import(address, token, block, device) as hold:
@@ -217,7 +218,8 @@ class Import:
             ...map it, with an Imported memory resource over hold...
             hold.keep(buf, reduction)
 
-    Entering acquires the hold at the exporter (which checks that it was issued for ``block``).
+    Entering takes the hold (the exporter's holds table says whether it was issued for
+    ``block``; no answer is awaited).
     An exception inside the block releases it at once (the caller undoes its own mapping first);
     after :meth:`keep`, the buffer's memory resource releases it when the buffer is freed.
 
@@ -437,8 +439,8 @@ def start_release_thread() -> None:
 def _stop_at_exit() -> None:
     """An exiting importer lets the release thread tell what was queued before the exit (within
     :data:`EXIT_WAIT_S`) and stop, so that no daemon thread calls the driver while the
-    interpreter is torn down. What it still holds needs no message: the exporter drops a
-    process's holds when its connection closes, at the process's end."""
+    interpreter is torn down. What it still holds needs no message: the kernel releases a
+    process's locks in the exporters' holds files, and closes its connections, at its end."""
     worker = _worker
     if worker is not None and worker.is_alive():
         _releases.put((_STOP, "", b"", -1))

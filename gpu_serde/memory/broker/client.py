@@ -10,16 +10,20 @@ a look at the table, and a note sent ahead on the connection (the exporter count
 which process holds what, for :meth:`~gpu_serde.memory.broker.Broker.holders`; the locks are what
 it obeys). The kernel releases the locks when this process dies, however it dies.
 
-A connection that fetched the holds file is kept until this process closes it: it holds nothing
-when it is closed (the least recently used first, beyond :data:`MAX_IDLE` such connections), and
-closing it gives back whatever it still held. A plain connection (descriptors only) is also closed
-by the broker after its idle time; a reused one that the broker closed in the meantime is opened
-again once (the broker never closes a connection between reading a request and answering it).
+The holds file stays open while this process holds anything there; the connection may break
+without losing a hold. This process closes a connection (and the holds file with it) only when
+it holds nothing there, the least recently used first, beyond :data:`MAX_IDLE` such connections.
+The broker closes a connection that was silent for its idle time while no note said it held
+anything; it stops reading first, so that a note sent at that moment fails here and is sent again
+(a reused connection that the broker closed is opened again once: the broker never closes one
+between reading a request and answering it). A new connection first notes again every hold this
+process has (the broker forgot them with the old one).
 
 The client checks the broker's uid (abstract socket names carry no permissions) and gives up after
 a timeout (1 s by default) instead of hanging. The wire protocol, both sides: a request is
-:data:`REQUEST_BYTES` bytes (an operation, a token, and 16 bytes the broker checks: the block a
-hold is for, the identity a fetch expects); a fetch is answered with one byte (:data:`OK` with a
+:data:`REQUEST_BYTES` bytes (an operation, a token, and 16 bytes: the identity a fetch expects,
+which the broker checks; for an acquire's note, the count of sends again it read in the table);
+descriptors arrive close-on-exec. A fetch is answered with one byte (:data:`OK` with a
 descriptor, :data:`NO`: unknown or revoked; :data:`MISMATCH`: the token is real but was issued for
 another descriptor), as is the request for the holds file; the notes of an acquire and a release
 are not answered. The server side is :mod:`gpu_serde.memory.broker.server`.
@@ -93,7 +97,8 @@ class _Link:
         self.sock: socket.socket | None = None
         self.file: HoldsFile | None = None
         self.held: dict[bytes, int] = {}
-        self.locked: dict[int, bytes] = {}  # sequence number -> the token its lock was taken for
+        # sequence number -> the token its lock was taken for, and the sends it read then
+        self.locked: dict[int, tuple[bytes, int]] = {}
         self.holds = 0
         self.used = 0.0
 
@@ -230,6 +235,38 @@ def _check_request(address: str, token: bytes, check: bytes) -> None:
         )
 
 
+_FD_SPACE = socket.CMSG_SPACE(struct.calcsize("i"))
+
+
+def _recv_answer(sock: socket.socket) -> tuple[bytes, list[int]]:
+    """One answer byte and the descriptor it may carry, received close-on-exec (a program this
+    process runs must not inherit a holds file: its locks would outlive this process)."""
+    msg, ancillary, _, _ = sock.recvmsg(1, _FD_SPACE, socket.MSG_CMSG_CLOEXEC)
+    fds: list[int] = []
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            usable = len(data) - len(data) % 4
+            fds.extend(struct.unpack(f"{usable // 4}i", data[:usable]))
+    return msg, fds
+
+
+def _open(link: _Link, address: str, deadline: float) -> None:
+    """Connect ``link`` (its lock held), and note again over the new connection every hold this
+    process has (the broker dropped its count with the old one; the locks never went)."""
+    link.sock = _connect(address, deadline)
+    notes = b"".join(
+        (ACQUIRE + token + sends.to_bytes(8, "big") + bytes(CHECK_BYTES - 8)) * link.held[token]
+        for token, sends in link.locked.values()
+    )
+    if notes:
+        try:
+            link.sock.settimeout(max(0.01, deadline - time.monotonic()))
+            link.sock.sendall(notes, NOSIGNAL)
+        except OSError:
+            _hang_up(link)
+            raise
+
+
 def _exchange(
     link: _Link, address: str, request: bytes, deadline: float
 ) -> tuple[bytes, list[int]]:
@@ -243,13 +280,14 @@ def _exchange(
     while True:
         reused = link.sock is not None
         if link.sock is None:
-            link.sock = _connect(address, deadline)
+            _open(link, address, deadline)
         sock = link.sock
+        assert sock is not None
         try:
             sock.settimeout(max(0.01, deadline - time.monotonic()))
             sock.sendall(request, NOSIGNAL)
             sock.settimeout(max(0.01, deadline - time.monotonic()))
-            msg, fds, _, _ = socket.recv_fds(sock, 1, 1)
+            msg, fds = _recv_answer(sock)
         except (BrokenPipeError, ConnectionResetError):
             if not reused:
                 raise
@@ -324,21 +362,32 @@ def _request(
 
 
 def _note(link: _Link, address: str, op: bytes, token: bytes, check: bytes, timeout: float) -> bool:
-    """Send a note (an acquire or a release: no answer) over ``link`` (its lock held), connecting
-    again if needed; False when it could not be sent. Losing a note loses no hold: the locks are
-    what the exporter obeys; an unsent acquire's note only keeps the block longer, and a broken
-    connection is closed, never the holds file."""
-    try:
-        if link.sock is None:
-            link.sock = _connect(address, time.monotonic() + timeout)
-        if link.sock.gettimeout() != timeout:
-            link.sock.settimeout(timeout)
-        link.sock.sendall(op + token + check, NOSIGNAL)
-    except (OSError, ExporterGoneError):  # TimeoutError too: the framing may be lost
-        _hang_up(link)
-        return False
-    link.used = time.monotonic()
-    return True
+    """Send a note (an acquire or a release: no answer) over ``link`` (its lock held); False when
+    it could not be sent. A connection that broke is replaced once, and the new one carries this
+    process's holds as they stand (an acquire's note is sent before the hold is recorded, a
+    release's after: the new connection's notes then say it already). Losing a note loses no
+    hold: the locks are what the exporter obeys, and an acquire's note lost only keeps the block
+    longer."""
+    for _ in range(2):
+        fresh = link.sock is None
+        try:
+            if fresh:
+                _open(link, address, time.monotonic() + timeout)
+                if op == RELEASE:
+                    return True
+            sock = link.sock
+            assert sock is not None
+            if sock.gettimeout() != timeout:
+                sock.settimeout(timeout)
+            sock.sendall(op + token + check, NOSIGNAL)
+        except (OSError, ExporterGoneError):  # TimeoutError too: the framing may be lost
+            _hang_up(link)
+            if fresh:
+                return False
+            continue
+        link.used = time.monotonic()
+        return True
+    return False
 
 
 def _holds_file(link: _Link, address: str, deadline: float, timeout: float) -> HoldsFile:
@@ -402,12 +451,19 @@ def acquire(address: str, token: bytes, block: bytes = NO_CHECK, *, timeout: flo
         # a lock is one per byte, not a count: taken once per sequence number, whatever token
         # names it (a forged token that shares a held one's number must not unlock it)
         first = seq not in link.locked
-        if seq == holdsfile.ALIVE or (
-            first and not holdsfile.try_lock(file.fd, fcntl.F_RDLCK, seq)
-        ):
+        try:
+            refused = seq == holdsfile.ALIVE or (
+                first and not holdsfile.try_lock(file.fd, fcntl.F_RDLCK, seq)
+            )
+        except OSError as exc:  # ENOLCK...: the kernel's lock table is full
+            raise HandoffError(
+                f"this process could not take a hold on memory exported by {address}: the "
+                f"kernel refused a lock in its holds file ({exc.strerror or exc})"
+            ) from None
+        if refused:
             raise _let_go(address)  # let go: the exporter write-locked it
         try:
-            issued, held_block = file.slot(seq)
+            issued, held_block, sends = file.slot(seq)
             if issued != token:
                 raise _let_go(address)  # never issued (the slot is another hold's, or empty)
             if held_block != NO_CHECK and held_block != block:
@@ -421,11 +477,11 @@ def acquire(address: str, token: bytes, block: bytes = NO_CHECK, *, timeout: flo
             if first and link.file is file:
                 holdsfile.unlock(file.fd, seq)
             raise
-        link.locked[seq] = token
+        echo = sends.to_bytes(8, "big") + bytes(CHECK_BYTES - 8)  # which payload it was
+        _note(link, address, ACQUIRE, token, echo, timeout)
+        link.locked[seq] = (token, sends)
         link.held[token] = link.held.get(token, 0) + 1
         link.holds += 1
-        stamp = time.monotonic_ns().to_bytes(8, "big") + bytes(CHECK_BYTES - 8)
-        _note(link, address, ACQUIRE, token, stamp, timeout)
     finally:
         link.lock.release()
         if link.holds == 0:

@@ -5,8 +5,10 @@ and whose **byte-range locks** (open file description locks, ``F_OFD_SETLK``) ar
 themselves:
 
 - A hold's token starts with its sequence number (8 bytes, big-endian; the other 8 are random).
-  Slot ``seq % SLOTS`` of the table (:data:`SLOT_BYTES` each) holds the token and the block it was
-  issued for, written by the exporter before the hold's first payload leaves.
+  Slot ``seq % SLOTS`` of the table (:data:`SLOT_BYTES` each) holds the token, the block it was
+  issued for, and how many times it was sent again, written by the exporter before each payload
+  leaves (an importer echoes that count in its note: a note for an earlier payload does not count
+  for a later one).
 - An importer holds by taking a **read lock** on the byte at offset ``seq``, then reading the slot
   (a token or block that does not match is refused, and the lock given back), then checking that
   the exporter is alive (its write lock on byte :data:`ALIVE`).
@@ -31,7 +33,7 @@ import struct
 
 #: Slots in the table: the most holds a broker can have issued and not yet let go.
 SLOTS = 1 << 18
-SLOT_BYTES = 32  # token (16) and block (16)
+SLOT_BYTES = 40  # token (16), block (16), sends (8)
 ALIVE = 0  #: the byte the exporter write-locks for its life
 _SEQ_MASK = (1 << 62) - 1
 _FLOCK = struct.Struct("hhxxxxqqixxxx")  # struct flock, 64-bit Linux: type, whence, start, len, pid
@@ -73,7 +75,7 @@ class HoldsFile:
     """One side's view of a broker's holds file: its descriptor, an open file description of its
     own (read-write for the exporter, read-only for importers)."""
 
-    __slots__ = ("fd",)
+    __slots__ = ("fd",)  # -1 once closed
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
@@ -96,16 +98,24 @@ class HoldsFile:
         return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
 
     def write(self, seq: int, token: bytes, block: bytes) -> None:
-        """Record in ``seq``'s slot the hold ``token`` and the block it was issued for."""
-        os.pwrite(self.fd, token + block, (seq % SLOTS) * SLOT_BYTES)
+        """Record in ``seq``'s slot the hold ``token`` and the block it was issued for (sent
+        once)."""
+        os.pwrite(self.fd, token + block + bytes(8), (seq % SLOTS) * SLOT_BYTES)
 
-    def slot(self, seq: int) -> tuple[bytes, bytes]:
-        """The token and block recorded in ``seq``'s slot."""
+    def write_sends(self, seq: int, sends: int) -> None:
+        """Record that ``seq``'s hold was sent again: ``sends`` times in all."""
+        os.pwrite(self.fd, sends.to_bytes(8, "big"), (seq % SLOTS) * SLOT_BYTES + 32)
+
+    def slot(self, seq: int) -> tuple[bytes, bytes, int]:
+        """The token, block and count of sends again recorded in ``seq``'s slot."""
         entry = os.pread(self.fd, SLOT_BYTES, (seq % SLOTS) * SLOT_BYTES)
-        return entry[:16], entry[16:]
+        return entry[:16], entry[16:32], int.from_bytes(entry[32:40], "big")
 
     def close(self) -> None:
         """Close this side's view; closing the exporter's last copy releases its write locks (its
-        holds, and :data:`ALIVE`: importers then see it gone), an importer's its read locks."""
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
+        holds, and :data:`ALIVE`: importers then see it gone), an importer's its read locks. A
+        second call does nothing."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)

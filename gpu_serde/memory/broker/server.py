@@ -80,7 +80,8 @@ class _Hold:
     holders: dict[int, int] = field(default_factory=dict)  # connection id -> holds over it
     due: float | None = None  # monotonic time to let go (its holders all gone), else None
     unclaimed: bool = True  # sent since its last acquire: kept until the next one
-    sent_at: int = 0  # monotonic ns of the last send again: an older lock claims nothing
+    sends: int = 0  # times sent again: a note echoing fewer was for an earlier payload
+    retry: float = 0.0  # seconds before the next try to let go, while a lock is still held
 
 
 class Broker:
@@ -97,7 +98,6 @@ class Broker:
         self._file = holdsfile.HoldsFile.create()
         self._seq = holdsfile.ALIVE
         self._slots: set[int] = set()  # table slots of the holds not let go
-        self._lockers: set[int] = set()  # connections that took the holds file
         self._exiting = False  # set at exit: nothing is let go any more
         self._conns: dict[socket.socket, threading.Thread] = {}  # connections being served
         self._due = threading.Event()  # an object's last holder went
@@ -192,7 +192,8 @@ class Broker:
             if entry is None or entry.obj is not obj:
                 return False
             entry.unclaimed, entry.due = True, None
-            entry.sent_at = time.monotonic_ns()
+            entry.sends += 1
+            self._file.write_sends(entry.seq, entry.sends)  # before the new payload leaves
             return True
 
     def peek(self, token: bytes, block: bytes | None = None) -> object | None:
@@ -219,18 +220,18 @@ class Broker:
                 out[pid] = out.get(pid, 0) + sum(tokens.values())
         return out
 
-    def _acquire(self, conn: int, token: bytes, stamp: bytes) -> bytes:
-        """An importer's note that it holds ``token``: count it. ``stamp`` says when it took
-        the lock (:func:`time.monotonic_ns`, one clock for the whole host): a lock taken before
-        the object was last sent again was for an earlier payload, and leaves the new one
-        unclaimed (its note may come after the send)."""
+    def _acquire(self, conn: int, token: bytes, sends: bytes) -> bytes:
+        """An importer's note that it holds ``token``: count it. ``sends`` (8 bytes) echoes the
+        count of sends again the importer read in the table after taking its lock: a note for an
+        earlier payload (it may arrive after the object was sent again) leaves the new one
+        unclaimed."""
         with self._lock:
             entry = self._holds.get(token)
             if entry is None:
                 return NO  # unknown, or let go already (the importer's lock was refused)
             entry.holders[conn] = entry.holders.get(conn, 0) + 1
-            entry.due = None
-            if int.from_bytes(stamp[:8], "big") >= entry.sent_at:
+            entry.due, entry.retry = None, 0.0
+            if int.from_bytes(sends[:8], "big") >= entry.sends:
                 entry.unclaimed = False
             tokens = self._held_over.setdefault(conn, {})
             tokens[token] = tokens.get(token, 0) + 1
@@ -277,10 +278,9 @@ class Broker:
                 self._let_one_go(conn, token, tokens, n)
         self._due.set()
 
-    def _kept_open(self, conn: int) -> bool:
-        """True for a connection the broker never closes for idleness: it took the holds file."""
+    def _holds_over(self, conn: int) -> bool:
         with self._lock:
-            return conn in self._lockers
+            return bool(self._held_over.get(conn))
 
     def _release_loop(self) -> None:
         """The release thread: lets go of objects once their grace has passed."""
@@ -311,7 +311,9 @@ class Broker:
                 if entry.due is None or entry.due > now:
                     continue
                 if not holdsfile.try_lock(self._file.fd, fcntl.F_WRLCK, entry.seq):
-                    entry.due = now + RETRY_S  # held: its note will come, or the lock will go
+                    # held: its note will come, or the lock will go (backing off to 1 s)
+                    entry.retry = min(1.0, max(RETRY_S, 2 * entry.retry))
+                    entry.due = now + entry.retry
                     continue
                 dropped.append(self._holds.pop(token))  # the write lock stays: refused for good
                 self._slots.discard(entry.seq % holdsfile.SLOTS)
@@ -396,41 +398,59 @@ class Broker:
             self._connection_gone(key)  # before the id can be reused by a new socket
             with self._lock:
                 self._conns.pop(conn, None)
-                self._lockers.discard(key)
 
     def _answer(self, conn: socket.socket, key: int) -> bool:
-        """Answer one request on ``conn``; False when the connection is done (the peer hung up or
-        sent a malformed request). Raises ``TimeoutError`` after :data:`IDLE_S` of silence on a
-        connection that holds nothing, or when a request is not complete :data:`REQUEST_S` after
-        its first byte."""
-        conn.settimeout(None if self._kept_open(key) else IDLE_S)
-        request = conn.recv(REQUEST_BYTES)
+        """Answer one request on ``conn``; False when the connection is done (the peer hung up,
+        sent a malformed request, or was silent for :data:`IDLE_S` while nothing was noted as
+        held over it). Raises ``TimeoutError`` when a request is not complete :data:`REQUEST_S`
+        after its first byte."""
+        conn.settimeout(None if self._holds_over(key) else IDLE_S)
+        try:
+            request = conn.recv(REQUEST_BYTES)
+        except TimeoutError:
+            self._close_idle(conn, key)
+            return False
         if not request:
             return False
         if len(request) < REQUEST_BYTES:  # the rest must come within one deadline
             deadline = time.monotonic() + REQUEST_S
             request = recv_by(conn, request, REQUEST_BYTES, deadline)
+        return self._dispatch(conn, key, request)
+
+    def _close_idle(self, conn: socket.socket, key: int) -> None:
+        """End a silent connection without losing a note: stop its reading first (the peer's
+        next send fails, and it connects again), then handle what it had sent already."""
+        conn.shutdown(socket.SHUT_RD)
+        conn.settimeout(REQUEST_S)
+        data = b""
+        while chunk := conn.recv(65536):
+            data += chunk
+        for at in range(0, len(data) - REQUEST_BYTES + 1, REQUEST_BYTES):
+            if not self._dispatch(conn, key, data[at : at + REQUEST_BYTES]):
+                return
+
+    def _dispatch(self, conn: socket.socket, key: int, request: bytes) -> bool:
+        """Handle one request (answer it, or count a note); False when the framing is lost."""
         conn.settimeout(REQUEST_S)  # the answer, too, is bounded: a peer that never reads
         op, token, check = request[:1], request[1:17], request[17:]
         if len(request) != REQUEST_BYTES or op not in (FETCH, ACQUIRE, RELEASE, HOLDS_FILE):
             conn.sendall(NO, NOSIGNAL)
             return False  # the framing is lost: the peer reconnects
         if op == ACQUIRE:  # notes: not answered
-            with self._lock:
-                self._lockers.add(key)  # it holds through the file: never closed for idleness
             self._acquire(key, token, check)
             return True
         if op == RELEASE:
             self._release(key, token)
             return True
         if op == HOLDS_FILE:
-            own = self._file.reopened()  # the importer's own open file description: its locks
-            try:
+            with self._lock:  # not while the broker closes (the number may be reused)
+                own = None if self._closed else self._file.reopened()
+            if own is None:
+                return False
+            try:  # the importer's own open file description: its locks
                 socket.send_fds(conn, [OK], [own], NOSIGNAL)
             finally:
                 os.close(own)
-            with self._lock:
-                self._lockers.add(key)
             return True
         with self._lock:
             entry = self._fds.get(token)
