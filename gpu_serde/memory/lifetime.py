@@ -8,8 +8,9 @@ nothing. The broker owns the holds: each belongs to the importing process that a
 released only by that process, and is dropped when that process exits or is killed (a hold is
 a lock in the broker's holds file, which the kernel releases with the process; taking one waits
 for no answer from the exporter). An object whose holds are all gone is let go
-:data:`RELEASE_GRACE_S` seconds later, unless it was sent since its last acquire: a payload not yet acquired keeps it (a payload may
-wait in Ray's object store, or in a Dask graph, longer than the grace period).
+:data:`RELEASE_GRACE_S` seconds later, unless it was sent since its last acquire: a payload not
+yet acquired keeps it (a payload may wait in Ray's object store, or in a Dask graph, longer than
+the grace period).
 **A sender never fails**: a buffer that cannot be sent (closed, and no longer held) raises
 :class:`~gpu_serde.HandoffError` here, which the reducers turn into a payload that raises the same
 error in the receiver, when the buffer is used (:mod:`gpu_serde.memory.unsent`).
