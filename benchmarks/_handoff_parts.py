@@ -5,7 +5,12 @@ its scratch memory between calls.
 
 Paths (what crosses from sender to receiver):
 - ``int``: the int itself: the engine's own round trip, subtracted from every other path;
+- ``plain``: a plain object the size of an arena buffer's pickle (bytes, no GPU memory): what the
+  engine charges for carrying any pickled object instead of an int, gpu_serde aside;
 - ``arena``: a Buffer of a gpu_serde ArenaMemoryResource (the new path);
+- ``arena-again``: the same arena Buffer every round (sent again: a weight broadcast);
+- ``arena-busy``: a new arena Buffer sent right after the sender queued other GPU work on
+  another stream (a 256 MiB memset the buffer does not depend on);
 - ``arena-new``: the whole of a new ArenaMemoryResource: the first hand-off from a region;
 - ``pool``: a Buffer of an IPC-enabled DeviceMemoryResource that keeps its memory (release
   threshold = its size), today's gpu_serde path;
@@ -109,9 +114,23 @@ def make_object(path: str, size: int, value: int) -> Any:
     if path == "int":
         _mark(int(_state["scratch"].handle), value)
         return value
+    if path == "plain":
+        _mark(int(_state["scratch"].handle), value)
+        return Plain(value, bytes(_arena_pickle_bytes()))
     if path == "arena":
         arena = _memory("arena")
         obj = _retry(lambda: arena.allocate(size))
+    elif path == "arena-again":
+        again = _state.get("again")
+        if again is None or again.size != size:
+            _state.pop("again", None)
+            arena = _memory("arena")
+            again = _state["again"] = _retry(lambda: arena.allocate(size))
+        obj = again
+    elif path == "arena-busy":
+        arena = _memory("arena")
+        obj = _retry(lambda: arena.allocate(size))
+        _traffic()
     elif path == "arena-new":
         import gpu_serde
 
@@ -156,6 +175,39 @@ def make_object(path: str, size: int, value: int) -> Any:
     return obj
 
 
+class Plain:
+    """A plain object: the marker value and padding, pickled by value."""
+
+    def __init__(self, value: int, padding: bytes) -> None:
+        self.value, self.padding = value, padding
+
+
+def _arena_pickle_bytes() -> int:
+    """How many bytes an arena buffer's pickle takes (the payload a hand-off carries)."""
+    if "pickle bytes" not in _state:
+        import pickle
+
+        buf = _memory("arena").allocate(1)
+        _state["pickle bytes"] = len(pickle.dumps(buf))
+        buf.close()
+    return int(_state["pickle bytes"])
+
+
+def _traffic() -> None:
+    """Queue 256 MiB of memset on a stream of its own, which the hand-off does not depend on."""
+    from cuda.bindings import driver
+
+    dev = _dev()
+    if "traffic" not in _state:
+        _state["traffic stream"] = dev.create_stream()
+        _state["traffic"] = dev.allocate(256 << 20, stream=_state["traffic stream"])
+    stream, buf = _state["traffic stream"], _state["traffic"]
+    _check(
+        "cuMemsetD8Async",
+        driver.cuMemsetD8Async(int(buf.handle), 0, buf.size, int(stream.handle)),
+    )
+
+
 class TorchOwn:
     """A torch tensor that pickles as torch itself reduces it (gpu_serde registers its own
     reducers for CUDA tensors): torch's CUDA IPC through multiprocessing, torch's by-value
@@ -193,6 +245,9 @@ def consume(obj: Any) -> int:
 
     _dev()
     word = bytearray(4)  # not a 1-element array: cuda-bindings 13.4 takes that for a scalar
+    if isinstance(obj, Plain):  # the int's read, and the value it carried
+        _check("cuMemcpyDtoH", driver.cuMemcpyDtoH(word, int(_state["scratch"].handle), 4))
+        return obj.value
     if isinstance(obj, int):
         ptr, close = int(_state["scratch"].handle), None
     else:

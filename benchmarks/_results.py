@@ -22,7 +22,10 @@ ENGINES = {  # handoff_table's engine -> (engine, path) in the results' words
     "mp": ("multiprocessing", "queue"),
 }
 SERIES = {  # handoff_table's path -> series (the default depends on the engine)
+    "plain": "engine.plain_object",
     "arena": "gpu_serde.arena",
+    "arena-again": "gpu_serde.arena.sent_again",
+    "arena-busy": "gpu_serde.arena.after_traffic",
     "pool": "gpu_serde.kept",
     "rdt": "ray_rdt.cuda_ipc.torch",
 }

@@ -68,10 +68,15 @@ from _common import machine, paired_ci, times, use_gpus
 UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 TIMEOUT_S = 600
 TARGET_S = 0.3e-3
+#: issue 31: what the arena may add over the engine's cost for a plain object of its payload's size
+OVER_PLAIN_S = {"ray-actor": 0.1e-3, "ray-task": 0.1e-3, "mp": 0.15e-3}
 FLAT = 1.2
 VS_RDT = 10.0
 PATH_NAMES = {
+    "plain": "a plain object of the arena payload's size (the engine's own cost)",
     "arena": "gpu_serde ArenaMemoryResource (new)",
+    "arena-again": "arena, the same buffer sent again",
+    "arena-busy": "arena, right after other GPU traffic",
     "pool": "gpu_serde pool that keeps memory",
     "rdt": "Ray Direct Transport cuda_ipc (torch)",
     "default": "the engine's default",
@@ -382,7 +387,7 @@ def paths_for(run: Run, engine: str, kinds: dict[str, bool]) -> dict[str, list[i
     sizes = run.args.sizes
     big = [s for s in sizes if s <= run.args.others_max]
     over = [s for s in sizes if s > run.args.others_max]
-    paths = {"arena": sizes, "pool": big}
+    paths = {"plain": sizes, "arena": sizes, "arena-again": sizes, "arena-busy": sizes, "pool": big}
     if over:
         why = (
             "the other paths run up to --others-max: at 16 GiB the sender holds the arena, a pool "
@@ -423,7 +428,8 @@ def table(run: Run, engine: str) -> None:
     rows = [r for r in run.results if r["engine"] == engine]
     if not rows:
         return
-    paths = [p for p in ("arena", "pool", "rdt", "default") if any(r["path"] == p for r in rows)]
+    order = ("plain", "arena", "arena-again", "arena-busy", "pool", "rdt", "default")
+    paths = [p for p in order if any(r["path"] == p for r in rows)]
     at = {(r["path"], r["size"]): r for r in rows}
     print(f"\n## {engine}: hand-off = round trip minus the int's, median (95% interval)\n")
     names = [PATH_NAMES[p] if p != "default" else f"default: {DEFAULTS[engine]}" for p in paths]
@@ -481,6 +487,39 @@ def verdicts(run: Run, engine: str, at: dict[tuple[str, int], dict[str, Any]]) -
                 )
                 if size == max(arena) and size == gib:
                     break
+    over_plain(run, engine, at, arena)
+
+
+def over_plain(
+    run: Run,
+    engine: str,
+    at: dict[tuple[str, int], dict[str, Any]],
+    arena: dict[int, dict[str, Any]],
+) -> None:
+    """Issue 31's verdicts: the arena over a plain object of its payload's size, at every size;
+    a buffer sent again and one sent after other GPU traffic against a fresh one."""
+    plain = {s: at[("plain", s)]["handoff_s"] for s in arena if ("plain", s) in at}
+    if plain:
+        worst = max(arena[s]["handoff_s"] - plain[s] for s in plain)
+        target = OVER_PLAIN_S.get(engine)
+        goal = (
+            f"target <= {target * 1e3:.2f} ms: {'meets' if worst <= target else 'MISSES'} target"
+            if target
+            else "no target for this engine"
+        )
+        print(
+            f"- the arena over a plain object of its payload's size, worst size: {ms(worst)} "
+            f"({goal})"
+        )
+    for path in ("arena-again", "arena-busy"):
+        pairs = [(s, at[(path, s)]["handoff_s"]) for s in arena if (path, s) in at]
+        if pairs:
+            worst_size, worst = max(pairs, key=lambda p: p[1] - arena[p[0]]["handoff_s"])
+            print(
+                f"- {PATH_NAMES[path]}, minus a fresh buffer's hand-off, worst size "
+                f"({label(worst_size)}): {ms(worst - arena[worst_size]['handoff_s'])} "
+                "(target: about 0, the cost of a fresh one)"
+            )
 
 
 def first_table(run: Run) -> None:
