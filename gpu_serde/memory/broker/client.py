@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import select
 import socket
 import struct
 import threading
@@ -90,7 +91,7 @@ class _Link:
     makes its requests one at a time, its view of the broker's holds file (None until the first
     hold), and the holds it carries (token -> how many)."""
 
-    __slots__ = ("file", "held", "holds", "lock", "locked", "sock", "used")
+    __slots__ = ("file", "held", "holds", "lock", "locked", "pending", "sock", "used")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -100,6 +101,7 @@ class _Link:
         # sequence number -> the token its lock was taken for, and the sends it read then
         self.locked: dict[int, tuple[bytes, int]] = {}
         self.holds = 0
+        self.pending = bytearray()  # notes the socket could not take yet, in order
         self.used = 0.0
 
     def drop(self) -> None:
@@ -112,6 +114,7 @@ class _Link:
         if self.file is not None:
             self.file.close()
         self.sock, self.file, self.held, self.locked, self.holds = None, None, {}, {}, 0
+        self.pending.clear()
 
 
 _links: dict[str, _Link] = {}
@@ -122,8 +125,8 @@ def _forget_after_fork() -> None:
     """A forked child shares none of its parent's connections, nor its holds: close the inherited
     sockets and holds files (only this process's copies: the parent's connections and locks
     stay, for an open file description's locks go only with its last descriptor)."""
-    global _links_lock
-    _links_lock = threading.Lock()
+    global _links_lock, _flusher, _flush_wanted
+    _links_lock, _flusher, _flush_wanted = threading.Lock(), None, threading.Event()
     links = list(_links.values())
     _links.clear()
     for link in links:  # this process's copies only: no shutdown
@@ -284,6 +287,7 @@ def _exchange(
         sock = link.sock
         assert sock is not None
         try:
+            _flush(link, max(0.01, deadline - time.monotonic()))  # the notes first, in order
             sock.settimeout(max(0.01, deadline - time.monotonic()))
             sock.sendall(request, NOSIGNAL)
             sock.settimeout(max(0.01, deadline - time.monotonic()))
@@ -306,6 +310,7 @@ def _hang_up(link: _Link) -> None:
         with contextlib.suppress(OSError):
             link.sock.close()
         link.sock = None
+    link.pending.clear()  # superseded: a new connection notes the holds as they stand
 
 
 def _taken(address: str, timeout: float) -> _Link:
@@ -361,6 +366,98 @@ def _request(
     return msg, fds
 
 
+def _send_ahead(link: _Link, data: bytes) -> None:
+    """Send ``data`` without waiting (``link``'s lock held): what the socket cannot take now (the
+    exporter is slow to read) waits in ``link.pending``, sent in order by the flusher thread.
+
+    Raises:
+        OSError: the connection broke.
+    """
+    sock = link.sock
+    assert sock is not None
+    if link.pending:
+        link.pending += data
+        return
+    if sock.gettimeout() != 0.0:
+        sock.settimeout(0.0)  # non-blocking: stays so between notes
+    try:
+        sent = sock.send(data, NOSIGNAL)
+    except BlockingIOError:
+        sent = 0
+    if sent < len(data):
+        link.pending += data[sent:]
+        _wake_flusher()
+
+
+def _flush(link: _Link, timeout: float) -> None:
+    """Send what waits in ``link.pending`` (its lock held), waiting up to ``timeout`` s.
+
+    Raises:
+        OSError: the connection broke or stayed full (the caller hangs up).
+    """
+    if link.pending and link.sock is not None:
+        link.sock.settimeout(timeout)
+        link.sock.sendall(bytes(link.pending), NOSIGNAL)
+        link.pending.clear()
+
+
+_flusher: threading.Thread | None = None
+_flush_wanted = threading.Event()
+#: Seconds the flusher waits for an exporter to read a connection's pending notes.
+FLUSH_S = 5.0
+
+
+def _flush_pending() -> None:
+    while True:
+        _flush_wanted.wait()
+        _flush_wanted.clear()
+        with _links_lock:
+            links = [link for link in _links.values() if link.pending]
+        for link in links:
+            _drain(link)
+
+
+def _drain(link: _Link) -> None:
+    """Send ``link``'s pending notes as the exporter reads them, waiting without its lock (a
+    request or an acquire may take it meanwhile); hang up after :data:`FLUSH_S` without progress
+    (the next connection notes the holds again)."""
+    deadline = time.monotonic() + FLUSH_S
+    while True:
+        with link.lock:
+            sock = link.sock
+            if not link.pending or sock is None:
+                return
+            try:
+                if sock.gettimeout() != 0.0:
+                    sock.settimeout(0.0)
+                sent = sock.send(bytes(link.pending), NOSIGNAL)
+                del link.pending[:sent]
+                deadline = time.monotonic() + FLUSH_S
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    _hang_up(link)
+                    return
+            except OSError:
+                _hang_up(link)
+                return
+            if not link.pending:
+                return
+        with contextlib.suppress(OSError, ValueError):
+            select.select([], [sock], [], 0.05)  # until it can take more
+
+
+def _wake_flusher() -> None:
+    global _flusher
+    if _flusher is None or not _flusher.is_alive():
+        with _links_lock:
+            if _flusher is None or not _flusher.is_alive():
+                _flusher = threading.Thread(
+                    target=_flush_pending, name="gpu_serde-notes", daemon=True
+                )
+                _flusher.start()
+    _flush_wanted.set()
+
+
 def _note(link: _Link, address: str, op: bytes, token: bytes, check: bytes, timeout: float) -> bool:
     """Send a note (an acquire or a release: no answer) over ``link`` (its lock held); False when
     it could not be sent. A connection that broke is replaced once, and the new one carries this
@@ -375,11 +472,7 @@ def _note(link: _Link, address: str, op: bytes, token: bytes, check: bytes, time
                 _open(link, address, time.monotonic() + timeout)
                 if op == RELEASE:
                     return True
-            sock = link.sock
-            assert sock is not None
-            if sock.gettimeout() != timeout:
-                sock.settimeout(timeout)
-            sock.sendall(op + token + check, NOSIGNAL)
+            _send_ahead(link, op + token + check)
         except (OSError, ExporterGoneError):  # TimeoutError too: the framing may be lost
             _hang_up(link)
             if fresh:
