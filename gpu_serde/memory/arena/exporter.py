@@ -6,8 +6,8 @@ The exporter makes one VMM region (:mod:`gpu_serde.memory.driver`) and hands out
 (:mod:`gpu_serde.memory.arena.ranges`). The region travels as its GPU's UUID, the host, a token
 for its descriptor at the exporter's broker, its id and size, and an IPC event; a buffer as its
 region plus an offset, a size and a hold token. The receiver maps the region the first time it
-sees it and keeps it mapped; every later buffer is a broker round trip (the hold), a wait for the
-sender's event and a ``Buffer`` at ``base + offset``.
+sees it and keeps it mapped; every later buffer is a hold (a lock in the exporter's holds file, no
+round trip), a wait for the sender's event and a ``Buffer`` at ``base + offset``.
 
 Ordering: pickling a buffer records the region's event on the stream the buffer was allocated on
 (after waiting for its previous recording, so the event follows every hand-off before it), and the
