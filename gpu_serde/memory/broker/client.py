@@ -76,10 +76,15 @@ def recv_by(sock: socket.socket, data: bytes, n: int, deadline: float) -> bytes:
     (``TimeoutError``): one deadline for the whole request, however the peer paces its bytes."""
     while len(data) < n:
         left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("request not complete by its deadline")
-        sock.settimeout(left)
-        chunk = sock.recv(n - len(data))
+        if left <= 0:  # what already arrived counts (this thread may not have run for a while)
+            sock.settimeout(0.0)
+            try:
+                chunk = sock.recv(n - len(data))
+            except BlockingIOError:
+                raise TimeoutError("request not complete by its deadline") from None
+        else:
+            sock.settimeout(left)
+            chunk = sock.recv(n - len(data))
         if not chunk:
             break
         data += chunk
@@ -257,14 +262,14 @@ def _open(link: _Link, address: str, deadline: float) -> None:
     """Connect ``link`` (its lock held), and note again over the new connection every hold this
     process has (the broker dropped its count with the old one; the locks never went)."""
     link.sock = _connect(address, deadline)
+    link.used = time.monotonic()
     notes = b"".join(
         (ACQUIRE + token + sends.to_bytes(8, "big") + bytes(CHECK_BYTES - 8)) * link.held[token]
         for token, sends in link.locked.values()
     )
     if notes:
         try:
-            link.sock.settimeout(max(0.01, deadline - time.monotonic()))
-            link.sock.sendall(notes, NOSIGNAL)
+            _send_ahead(link, notes)  # nothing is pending on a new connection
         except OSError:
             _hang_up(link)
             raise
@@ -281,6 +286,7 @@ def _exchange(
         OSError, ExporterGoneError: the connection broke, or none could be made.
     """
     while True:
+        _retire_if_idle(link)
         reused = link.sock is not None
         if link.sock is None:
             _open(link, address, deadline)
@@ -298,9 +304,20 @@ def _exchange(
             msg, fds = b"", []
         if msg or fds or not reused:
             return msg, fds
-        with contextlib.suppress(OSError):  # closed while idle (or the exporter exited): no
-            sock.close()  # request was read; the holds file, and its locks, stay
-        link.sock = None
+        _hang_up(link)  # closed while idle (or the exporter exited): no request was read
+
+
+#: Seconds after which a connection that holds nothing is not used again but replaced: well below
+#: the broker's idle time (60 s), so that nothing is sent on one the broker may be closing.
+REUSE_S = 20.0
+
+
+def _retire_if_idle(link: _Link) -> None:
+    """Hang up ``link``'s connection (its lock held) if it holds nothing and has been silent for
+    :data:`REUSE_S`: the broker may close it at any moment, and a note it had read just before
+    would be counted and then forgotten with the connection."""
+    if link.sock is not None and not link.holds and time.monotonic() - link.used > REUSE_S:
+        _hang_up(link)
 
 
 def _hang_up(link: _Link) -> None:
@@ -377,6 +394,8 @@ def _send_ahead(link: _Link, data: bytes) -> None:
     assert sock is not None
     if link.pending:
         link.pending += data
+        if len(link.pending) > PENDING_MAX:
+            raise BlockingIOError("the exporter reads no notes")  # the caller hangs up
         return
     if sock.gettimeout() != 0.0:
         sock.settimeout(0.0)  # non-blocking: stays so between notes
@@ -397,53 +416,70 @@ def _flush(link: _Link, timeout: float) -> None:
     """
     if link.pending and link.sock is not None:
         link.sock.settimeout(timeout)
-        link.sock.sendall(bytes(link.pending), NOSIGNAL)
-        link.pending.clear()
+        try:
+            link.sock.sendall(bytes(link.pending), NOSIGNAL)
+        finally:
+            link.pending.clear()  # sent, or the caller hangs up
 
 
 _flusher: threading.Thread | None = None
 _flush_wanted = threading.Event()
-#: Seconds the flusher waits for an exporter to read a connection's pending notes.
+#: Seconds the flusher waits for an exporter to read more of a connection's pending notes.
 FLUSH_S = 5.0
+#: Bytes of pending notes past which a connection is replaced (the new one notes the holds as
+#: they stand, in one batch, whatever went before).
+PENDING_MAX = 256 * 1024
 
 
 def _flush_pending() -> None:
+    """The flusher thread: sends every link's pending notes as its exporter reads them, all links
+    at once (one slow exporter delays no other), waiting without their locks."""
+    stalled: dict[int, float] = {}  # id(link) -> when it last made progress
     while True:
         _flush_wanted.wait()
         _flush_wanted.clear()
-        with _links_lock:
-            links = [link for link in _links.values() if link.pending]
-        for link in links:
-            _drain(link)
+        while True:
+            with _links_lock:
+                links = [link for link in _links.values() if link.pending]
+            if not links:
+                stalled.clear()
+                break
+            waiting = []
+            for link in links:
+                sock = _drain_once(link, stalled)
+                if sock is not None:
+                    waiting.append(sock)
+            if waiting:
+                with contextlib.suppress(OSError, ValueError):
+                    select.select([], waiting, [], 0.05)  # until one can take more
 
 
-def _drain(link: _Link) -> None:
-    """Send ``link``'s pending notes as the exporter reads them, waiting without its lock (a
-    request or an acquire may take it meanwhile); hang up after :data:`FLUSH_S` without progress
-    (the next connection notes the holds again)."""
-    deadline = time.monotonic() + FLUSH_S
-    while True:
-        with link.lock:
-            sock = link.sock
-            if not link.pending or sock is None:
-                return
-            try:
-                if sock.gettimeout() != 0.0:
-                    sock.settimeout(0.0)
-                sent = sock.send(bytes(link.pending), NOSIGNAL)
-                del link.pending[:sent]
-                deadline = time.monotonic() + FLUSH_S
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    _hang_up(link)
-                    return
-            except OSError:
+def _drain_once(link: _Link, stalled: dict[int, float]) -> socket.socket | None:
+    """One non-blocking send of ``link``'s pending notes; the socket when some are left. A link
+    that made no progress for :data:`FLUSH_S`, or whose backlog passed :data:`PENDING_MAX`, is hung
+    up (its next connection notes the holds as they stand)."""
+    if not link.lock.acquire(timeout=0.05):
+        return None  # in use: a request flushes it itself, or the next round does
+    try:
+        sock, now = link.sock, time.monotonic()
+        if not link.pending or sock is None:
+            stalled.pop(id(link), None)
+            return None
+        try:
+            if sock.gettimeout() != 0.0:
+                sock.settimeout(0.0)
+            with memoryview(link.pending) as view:
+                sent = sock.send(view, NOSIGNAL)
+            del link.pending[:sent]
+            stalled[id(link)] = now
+        except BlockingIOError:
+            if now - stalled.setdefault(id(link), now) > FLUSH_S:
                 _hang_up(link)
-                return
-            if not link.pending:
-                return
-        with contextlib.suppress(OSError, ValueError):
-            select.select([], [sock], [], 0.05)  # until it can take more
+        except OSError:
+            _hang_up(link)
+        return sock if link.pending else None
+    finally:
+        link.lock.release()
 
 
 def _wake_flusher() -> None:
@@ -465,6 +501,7 @@ def _note(link: _Link, address: str, op: bytes, token: bytes, check: bytes, time
     release's after: the new connection's notes then say it already). Losing a note loses no
     hold: the locks are what the exporter obeys, and an acquire's note lost only keeps the block
     longer."""
+    _retire_if_idle(link)
     for _ in range(2):
         fresh = link.sock is None
         try:
@@ -585,8 +622,8 @@ def release(address: str, token: bytes, *, timeout: float = 1.0, gone: bool = Fa
     """Give back one of this process's holds on the block under ``token``: the last one unlocks
     it, and the exporter is told with a note. True if this process held it (a process can
     release only its own holds). Never raises for a vanished exporter (nothing is left to
-    release), unless ``gone`` asks for its :class:`~gpu_serde.ExporterGoneError` when the
-    exporter could not be told."""
+    release), unless ``gone`` asks for its :class:`~gpu_serde.ExporterGoneError` when the note
+    could be neither sent nor queued."""
     with _links_lock:
         link = _links.get(address)
     if link is None or token not in link.held:

@@ -21,8 +21,9 @@ holds noted over the same connection, and unlocks only the releasing process's o
 process that never acquired (a Dask scheduler that saw the payload) cannot release anything. When
 a connection closes (the importer exited, was killed, or closed it), its notes are dropped at
 once. An object whose holds are all gone is let go :data:`grace <Broker.hold>` seconds later,
-unless it is acquired again in the meantime. A connection that took the holds file is never
-closed for idleness (its process closes it).
+unless it is acquired again in the meantime. A connection is closed for idleness only while no
+note says it holds anything (its process replaces one that holds nothing before the broker's idle
+time comes near).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ IDLE_S = 60.0
 #: at most this long per request, however it paces its bytes).
 REQUEST_S = 1.0
 ANY = bytes(CHECK_BYTES)  #: offered or held without a check: any payload may name it
-BATCH_BYTES = 64 * 1024  # read at once from a connection: up to about 2,000 notes
+BATCH_BYTES = REQUEST_BYTES * 1985  # read at once from a connection: whole requests, 64 KiB
 #: Seconds before the broker tries again to let go of an object whose lock a process still held
 #: when its grace ran out (its acquire's note was on its way).
 RETRY_S = 0.05
