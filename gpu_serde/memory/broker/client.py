@@ -31,6 +31,7 @@ are not answered. The server side is :mod:`gpu_serde.memory.broker.server`.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import os
@@ -433,7 +434,8 @@ PENDING_MAX = 256 * 1024
 
 def _flush_pending() -> None:
     """The flusher thread: sends every link's pending notes as its exporter reads them, all links
-    at once (one slow exporter delays no other), waiting without their locks."""
+    at once (one slow exporter delays no other), waiting without their locks. It ends at exit
+    (notes no longer matter: the process's end gives its holds back)."""
     stalled: dict[int, float] = {}  # id(link) -> when it last made progress
     while True:
         _flush_wanted.wait()
@@ -441,7 +443,7 @@ def _flush_pending() -> None:
         while True:
             with _links_lock:
                 links = [link for link in _links.values() if link.pending]
-            if not links:
+            if not links or _exiting:
                 stalled.clear()
                 break
             waiting = []
@@ -452,6 +454,8 @@ def _flush_pending() -> None:
             if waiting:
                 with contextlib.suppress(OSError, ValueError):
                     select.select([], waiting, [], 0.05)  # until one can take more
+        if _exiting:
+            return
 
 
 def _drain_once(link: _Link, stalled: dict[int, float]) -> socket.socket | None:
@@ -480,6 +484,21 @@ def _drain_once(link: _Link, stalled: dict[int, float]) -> socket.socket | None:
         return sock if link.pending else None
     finally:
         link.lock.release()
+
+
+_exiting = False
+
+
+def _stop_flusher_at_exit() -> None:
+    global _exiting
+    _exiting = True
+    flusher = _flusher
+    if flusher is not None and flusher.is_alive():
+        _flush_wanted.set()
+        flusher.join(1.0)
+
+
+atexit.register(_stop_flusher_at_exit)
 
 
 def _wake_flusher() -> None:
