@@ -238,12 +238,16 @@ print(release(sys.argv[1], bytes.fromhex(sys.argv[2])), flush=True)
 BLOCK = bytes(range(16))
 
 
-def holder(address: str, token: bytes, block: bytes = BLOCK) -> subprocess.Popen:
+def holder(
+    address: str, token: bytes, block: bytes = BLOCK, script: str = HOLDER, **popen
+) -> subprocess.Popen:
+    """A process running ``script`` (argv: address, token, block), once it printed "held"."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, address, token.hex(), block.hex()],
+        [sys.executable, "-c", script, address, token.hex(), block.hex()],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
+        **popen,
     )
     assert proc.stdout.readline().strip() == "held"
     return proc
@@ -303,7 +307,7 @@ address, token = sys.argv[1], bytes.fromhex(sys.argv[2])
 link = client._taken(address, 1.0)
 file = client._holds_file(link, address, 10**9, 1.0)  # the file, as acquire fetches it
 assert holdsfile.try_lock(file.fd, fcntl.F_RDLCK, holdsfile.seq_of(token))  # no note sent
-print("locked", flush=True)
+print("held", flush=True)
 sys.stdin.read()
 """
 
@@ -313,13 +317,7 @@ def test_a_block_locked_by_a_process_whose_note_has_not_arrived_is_never_let_go(
     let_go = []
     try:
         token = b.hold("a block", let_go.append, block=BLOCK, grace=0.1)
-        silent = subprocess.Popen(
-            [sys.executable, "-c", SILENT_HOLDER, b.address, token.hex()],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert silent.stdout.readline().strip() == "locked"
+        silent = holder(b.address, token, script=SILENT_HOLDER)
         acquire(b.address, token, BLOCK)  # this process's hold, noted
         assert release(b.address, token)  # the last noted holder goes: due after the grace
         time.sleep(0.6)
@@ -371,14 +369,7 @@ def test_a_killed_holders_hold_comes_back_though_a_program_it_started_lives_on()
     let_go = []
     try:
         token = b.hold("a block", let_go.append, grace=0.1)
-        proc = subprocess.Popen(
-            [sys.executable, "-c", SHELLING_HOLDER, b.address, token.hex()],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        assert proc.stdout.readline().strip() == "held"
+        proc = holder(b.address, token, script=SHELLING_HOLDER, start_new_session=True)
         assert wait_for(lambda: b.holders() == {proc.pid: 1})
         proc.kill()
         proc.wait(10)
