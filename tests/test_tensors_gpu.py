@@ -17,6 +17,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 import warnings
 
 import pytest
@@ -422,6 +423,32 @@ def test_ray_actor_and_task_receive_cuda_tensors_by_value_and_shared(ray_session
     ray.kill(consumer)
     assert same(by_value, plain) and same(shared, arena) and same(put, arena)
     assert base.equal(before + 1000)  # the actor wrote into the driver's memory
+
+
+def test_a_tensor_shared_from_a_ray_gpu_task_that_ray_ends_arrives_with_its_bytes(ray_session, gpu):
+    """Ray ends a GPU task's worker after the task (max_calls=1, its default): a keeper serves
+    the shared tensor's memory once the worker has exited."""
+    ray = ray_session
+
+    @ray.remote(num_gpus=0.25, num_returns=2)  # Ray's default max_calls
+    def make():
+        import torch
+
+        x = gpu_serde.tensors.empty((1 << 20,), torch.float32, 0)
+        x.copy_(torch.arange(1 << 20, dtype=torch.float32, device="cuda:0"))
+        return os.getpid(), gpu_serde.share(x)
+
+    @ray.remote(num_gpus=0.25, max_calls=0)
+    def total(x):
+        return float(x.double().sum())
+
+    pid_ref, x_ref = make.remote()
+    pid = ray.get(pid_ref, timeout=300)
+    deadline = time.monotonic() + 60
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{pid}")  # Ray ended the worker
+    assert ray.get(total.remote(x_ref), timeout=300) == float(sum(range(1 << 20)))
 
 
 def test_a_ray_actor_returns_a_shared_tensor_to_another_actor(ray_session, gpu):

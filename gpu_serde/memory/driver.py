@@ -70,6 +70,16 @@ def context(ordinal: int) -> Iterator[None]:
         driver.cuCtxPopCurrent()
 
 
+def synchronize(ordinal: int) -> None:
+    """Wait until device ``ordinal``'s work in this process is done.
+
+    Raises:
+        HandoffError: the driver refused.
+    """
+    with context(ordinal):
+        check("cuCtxSynchronize", driver.cuCtxSynchronize())
+
+
 @contextlib.contextmanager
 def current(dev: Device) -> Iterator[None]:
     """Make ``dev`` current for the block (cuda.core's way), then restore the thread's previous

@@ -109,12 +109,16 @@ class _Sent:
 _sent: dict[int, _Sent] = {}
 
 
-def hold(obj: object, block: bytes, on_release: Callable[[Any], None]) -> bytes:
+def hold(
+    obj: object, block: bytes, on_release: Callable[[Any], None], *, needs: bytes | None = None
+) -> bytes:
     """Hold ``obj`` (a sent block) at this process's broker for importers; return its token.
     ``block`` names the block the hold is issued for (:func:`gpu_serde.format.memory.block_digest`);
     ``on_release(obj)`` runs in the broker's release thread once its importers are all gone and
-    :data:`RELEASE_GRACE_S` has passed."""
-    return _broker.broker().hold(obj, on_release, block=block, grace=RELEASE_GRACE_S)
+    :data:`RELEASE_GRACE_S` has passed. ``needs`` is the broker's token of the descriptor an
+    importer maps: if it was offered to be kept (:meth:`~gpu_serde.memory.broker.Broker.offer`),
+    the hold outlives this process's exit in a keeper (:mod:`gpu_serde.memory.broker.keeper`)."""
+    return _broker.broker().hold(obj, on_release, block=block, grace=RELEASE_GRACE_S, needs=needs)
 
 
 def send(

@@ -13,6 +13,7 @@ each type sit side by side.
 from __future__ import annotations
 
 import enum
+import functools
 import operator
 import os
 from typing import Any
@@ -277,12 +278,15 @@ def reduce_buffer(buf: Buffer, mr: VirtualMemoryResource) -> tuple[Any, ...]:
             fd = export_here(ptr)
         p = VbufPayload(VERSION, res, host_id(), b.address, b"", buf.size, b"")
         try:
-            fd_token = b.offer(fd, p.identity)
+            # the descriptor keeps the allocation: a keeper may serve it after this process
+            # exits, once the GPU's work on it is done
+            ready = functools.partial(_driver.synchronize, mr.device.device_id)
+            fd_token = b.offer(fd, p.identity, keep=ready)
         finally:
             os.close(fd)
         p = p._replace(fd_token=fd_token)
         try:
-            hold = lifetime.hold(buf, p.block, lambda obj: _let_go(fd_token, obj))
+            hold = lifetime.hold(buf, p.block, lambda obj: _let_go(fd_token, obj), needs=fd_token)
         except Exception:
             b.revoke(fd_token)
             raise

@@ -21,6 +21,7 @@ freed block is reused once the work on the stream it was freed on is done (an ev
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import queue
 import secrets
@@ -102,7 +103,10 @@ class _Region:
                 identity = region_identity(self.id, self.size, dev, boot, self.event_bytes)
                 fd = _driver.export(self.ordinal, self.base)
                 try:
-                    self.tokens.append(b.offer(fd, identity))
+                    # the descriptor keeps the region allocated: a keeper may serve it after
+                    # this process exits, once the GPU's work on it is done
+                    ready = functools.partial(_driver.synchronize, self.ordinal)
+                    self.tokens.append(b.offer(fd, identity, keep=ready))
                 finally:
                     os.close(fd)
                 p = RegionPayload(
@@ -423,7 +427,7 @@ def reduce_buffer(buf: Buffer, mr: ArenaMemoryResource) -> tuple[Any, ...]:
         p = AbufPayload(VERSION, RegionPayload(*region), ptr - r.base, buf.size, b"")
         r.hold(ptr)
         try:
-            token = lifetime.hold(buf, p.block, lambda _obj: r.released(ptr))
+            token = lifetime.hold(buf, p.block, lambda _obj: r.released(ptr), needs=r.tokens[0])
         except Exception:
             r.released(ptr)
             raise

@@ -40,15 +40,23 @@ class Region:
     base: int
     size: int
     ordinal: int
-    event: Any
+    event: Any  #: None when the exporter had exited (a keeper served the region)
+    address: str  #: the exporter's broker
 
     def wait(self) -> None:
-        """Block until the exporter's work before its latest hand-off from this region is done.
+        """Block until the exporter's work before its latest hand-off from this region is done
+        (nothing to wait for once it has exited: it waited for its work first).
 
         Raises:
             HandoffError: the driver refused (the exporter's context is gone, ...).
         """
-        _driver.wait(self.event)
+        if self.event is None or _broker.exited(self.address):
+            return
+        try:
+            _driver.wait(self.event)
+        except HandoffError:
+            if not _broker.exited(self.address):  # it exited meanwhile: its work is done
+                raise
 
 
 _attached: dict[tuple[str, bytes], Region] = {}  # (broker address, token) -> the region here
@@ -92,13 +100,20 @@ def _map_region(p: RegionPayload, wire_payload: tuple[Any, ...]) -> Region:
             flags = _driver.ACCESS["rw"]
             base = _driver.import_and_map(fd, p.size, _driver.access([(ordinal, flags)]))
             try:
-                event = _driver.open_ipc_event(p.event)
+                event = None if _broker.exited(p.address) else _driver.open_ipc_event(p.event)
+            except HandoffError:
+                # the exporter may have exited since (a keeper serves its region): its work is
+                # done, and its event may not open any more
+                if not _broker.exited(p.address):
+                    _driver.unmap_here(base, p.size)
+                    raise
+                event = None
             except Exception:
                 _driver.unmap_here(base, p.size)
                 raise
     finally:
         os.close(fd)
-    return Region(p.region, wire_payload, base, p.size, ordinal, event)
+    return Region(p.region, wire_payload, base, p.size, ordinal, event, p.address)
 
 
 def attached() -> int:

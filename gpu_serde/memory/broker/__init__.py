@@ -2,9 +2,12 @@
 its host (:mod:`~gpu_serde.memory.broker.server`), and how an importer asks
 (:mod:`~gpu_serde.memory.broker.client`)."""
 
+# its exit hook hands what is still held to a keeper (imported after the server, it runs first)
+from gpu_serde.memory.broker import keeper
 from gpu_serde.memory.broker.client import (
     acquire,
     disconnect,
+    exited,
     fetch,
     holds,
     open_connections,
@@ -18,9 +21,11 @@ __all__ = [
     "acquire",
     "broker",
     "disconnect",
+    "exited",
     "fetch",
     "holds",
     "is_own",
+    "keeper",
     "open_connections",
     "release",
 ]

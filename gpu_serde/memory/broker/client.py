@@ -25,8 +25,9 @@ a timeout (1 s by default) instead of hanging. The wire protocol, both sides: a 
 which the broker checks; for an acquire's note, the count of sends again it read in the table);
 descriptors arrive close-on-exec. A fetch is answered with one byte (:data:`OK` with a
 descriptor, :data:`NO`: unknown or revoked; :data:`MISMATCH`: the token is real but was issued for
-another descriptor), as is the request for the holds file; the notes of an acquire and a release
-are not answered. The server side is :mod:`gpu_serde.memory.broker.server`.
+another descriptor; :data:`GONE`, from a keeper: the memory went with its exited exporter), as is
+the request for the holds file; the notes of an acquire and a release are not answered. The
+server side is :mod:`gpu_serde.memory.broker.server`.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ RELEASE = b"R"
 OK = b"K"
 NO = b"N"
 MISMATCH = b"M"
+GONE = b"G"  # from a keeper: the descriptor's memory went with its exited exporter
 NO_CHECK = bytes(CHECK_BYTES)
 CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -279,16 +281,17 @@ def _open(link: _Link, address: str, deadline: float) -> None:
 def _exchange(
     link: _Link, address: str, request: bytes, deadline: float
 ) -> tuple[bytes, list[int]]:
-    """Send ``request`` over ``link`` (holding its lock) and read the answer; reconnect once when
-    an idle connection was closed by the broker.
+    """Send ``request`` over ``link`` (holding its lock) and read the answer; try once more on a
+    new connection when one closes unanswered (the broker closed it while idle, or its process
+    exited and a keeper serves the address now: a fetch and the holds file's request can be
+    asked again).
 
     Raises:
         TimeoutError: no answer by ``deadline``.
         OSError, ExporterGoneError: the connection broke, or none could be made.
     """
-    while True:
+    for attempt in (1, 2):
         _retire_if_idle(link)
-        reused = link.sock is not None
         if link.sock is None:
             _open(link, address, deadline)
         sock = link.sock
@@ -300,12 +303,13 @@ def _exchange(
             sock.settimeout(max(0.01, deadline - time.monotonic()))
             msg, fds = _recv_answer(sock)
         except (BrokenPipeError, ConnectionResetError):
-            if not reused:
+            if attempt == 2:
                 raise
             msg, fds = b"", []
-        if msg or fds or not reused:
+        if msg or fds or attempt == 2:
             return msg, fds
-        _hang_up(link)  # closed while idle (or the exporter exited): no request was read
+        _hang_up(link)  # closed unanswered: no request was read
+    raise AssertionError("unreachable")
 
 
 #: Seconds after which a connection that holds nothing is not used again but replaced: well below
@@ -568,6 +572,15 @@ def _mismatch(address: str, what: str) -> HandoffError:
     )
 
 
+def _went_with_it(address: str) -> ExporterGoneError:
+    return ExporterGoneError(
+        f"the exporting process behind the descriptor broker {address} has exited, and this "
+        "memory went with it: a memory pool's is freed with its process (an "
+        "ArenaMemoryResource's or a VirtualMemoryResource's is kept for its receivers; "
+        "allocate what a short-lived process sends there)"
+    )
+
+
 def _let_go(address: str) -> TokenRefusedError:
     return TokenRefusedError(
         f"the exporter ({address}) no longer holds this object: every earlier importer "
@@ -617,6 +630,8 @@ def acquire(address: str, token: bytes, block: bytes = NO_CHECK, *, timeout: flo
                 raise _let_go(address)  # never issued (the slot is another hold's, or empty)
             if held_block != NO_CHECK and held_block != block:
                 raise _mismatch(address, "hold")
+            if sends == holdsfile.GONE:
+                raise _went_with_it(address)
             if not holdsfile.write_locked(file.fd, holdsfile.ALIVE):
                 link.drop()
                 raise ExporterGoneError(
@@ -701,10 +716,28 @@ def fetch(address: str, token: bytes, identity: bytes = NO_CHECK, *, timeout: fl
         os.close(fd)
     if msg == MISMATCH:
         raise _mismatch(address, "descriptor")
+    if msg == GONE:
+        raise _went_with_it(address)
     raise TokenRefusedError(
         f"the descriptor broker {address} refused the request: the export was released, or the "
         "token is wrong"
     )
+
+
+def exited(address: str, *, timeout: float = 1.0) -> bool:
+    """True when the exporter behind the broker at ``address`` has exited and a keeper serves
+    what it kept (its GPU work is done: no event of it needs waiting for). Fetches the broker's
+    holds file the first time (one round trip).
+
+    Raises:
+        ExporterGoneError: as :func:`acquire`.
+    """
+    link = _taken(address, timeout)
+    try:
+        file = _holds_file(link, address, time.monotonic() + timeout, timeout)
+        return file.exited()
+    finally:
+        link.lock.release()
 
 
 def holds(address: str) -> int:

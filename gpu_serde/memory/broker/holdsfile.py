@@ -21,6 +21,9 @@ themselves:
   holds, and the kernel releases them all when the process dies, however it dies.
 
 The sequence and the locks live in the kernel; the table only says what each hold was issued for.
+Slot 0 is the header, no hold's: it says when the exporter has exited and a keeper serves what it
+kept (:mod:`~gpu_serde.memory.broker.keeper`); a hold whose memory went with the exporter has
+:data:`GONE` as its count of sends.
 """
 
 from __future__ import annotations
@@ -34,7 +37,11 @@ import struct
 #: Slots in the table: the most holds a broker can have issued and not yet let go.
 SLOTS = 1 << 18
 SLOT_BYTES = 40  # token (16), block (16), sends (8)
-ALIVE = 0  #: the byte the exporter write-locks for its life
+ALIVE = 0  #: the byte the exporter write-locks for its life (slot 0 is the header, no hold's)
+#: The count of sends again that marks a hold whose exporter exited without keeping its memory
+#: (a pool's goes with its process): an acquire says so.
+GONE = (1 << 64) - 1
+_EXITED = b"exited!!"  # the header's first 8 bytes once the exporter exited and a keeper serves
 _SEQ_MASK = (1 << 62) - 1
 _FLOCK = struct.Struct("hhxxxxqqixxxx")  # struct flock, 64-bit Linux: type, whence, start, len, pid
 
@@ -105,6 +112,15 @@ class HoldsFile:
     def write_sends(self, seq: int, sends: int) -> None:
         """Record that ``seq``'s hold was sent again: ``sends`` times in all."""
         os.pwrite(self.fd, sends.to_bytes(8, "big"), (seq % SLOTS) * SLOT_BYTES + 32)
+
+    def mark_exited(self) -> None:
+        """Record that the exporter exited, its GPU work done (a keeper serves what it kept)."""
+        os.pwrite(self.fd, _EXITED, 0)
+
+    def exited(self) -> bool:
+        """True once the exporter has exited and a keeper serves what it kept: its GPU work is
+        done, and no event of its needs waiting for."""
+        return os.pread(self.fd, len(_EXITED), 0) == _EXITED
 
     def slot(self, seq: int) -> tuple[bytes, bytes, int]:
         """The token, block and count of sends again recorded in ``seq``'s slot."""

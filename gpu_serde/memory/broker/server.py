@@ -24,6 +24,10 @@ once. An object whose holds are all gone is let go :data:`grace <Broker.hold>` s
 unless it is acquired again in the meantime. A connection is closed for idleness only while no
 note says it holds anything (its process replaces one that holds nothing before the broker's idle
 time comes near).
+
+**When this process exits normally**, what it still holds on memory that a descriptor keeps
+allocated (arena regions, VMM buffers: offered with ``keep``) is handed to a keeper process that
+serves the same address on (:meth:`Broker.to_keep`, :mod:`~gpu_serde.memory.broker.keeper`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import contextlib
 import fcntl
 import os
 import secrets
+import select
 import socket
 import threading
 import time
@@ -45,6 +50,7 @@ from gpu_serde.memory.broker.client import (
     ACQUIRE,
     CHECK_BYTES,
     FETCH,
+    GONE,
     HOLDS_FILE,
     MISMATCH,
     NO,
@@ -84,30 +90,55 @@ class _Hold:
     unclaimed: bool = True  # sent since its last acquire: kept until the next one
     sends: int = 0  # times sent again: a note echoing fewer was for an earlier payload
     retry: float = 0.0  # seconds before the next try to let go, while a lock is still held
+    needs: bytes | None = None  # the offer (descriptor token) a keeper must serve for it
+    since: float = field(default_factory=time.monotonic)  # when it was last sent, or kept
+
+
+@dataclass(frozen=True)
+class Kept:
+    """What a keeper process needs to serve a broker's memory after its process exits
+    (:meth:`Broker.to_keep`): the descriptors to pass it (the listening socket, the holds file,
+    the kept offers'), and the state, plain data."""
+
+    fds: list[int]
+    state: dict[str, Any]
+    ready: list[Callable[[], None]]  # what makes the kept memory ready to outlive this process
 
 
 class Broker:
     """Serves descriptors to same-user processes that present the right token, and keeps
     exported objects alive while importing processes hold them."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, *, sock: socket.socket | None = None, file: holdsfile.HoldsFile | None = None
+    ) -> None:
+        """A new broker, or (``sock`` and ``file``: in a keeper process) one that goes on
+        serving a listening socket and a holds file handed over by an exiting process."""
         self._lock = threading.Lock()
         self._fds: dict[bytes, tuple[int, bytes]] = {}  # token -> (descriptor, identity)
+        # token -> what makes the offer's memory ready to outlive this process: offers a keeper
+        # may serve after it exits (memory that its descriptor keeps allocated)
+        self._keepable: dict[bytes, Callable[[], None]] = {}
+        self._gone: set[bytes] = set()  # in a keeper: offers whose memory went with the exporter
         self._holds: dict[bytes, _Hold] = {}
         self._held_over: dict[int, dict[bytes, int]] = {}  # connection id -> token -> holds
         self._peers: dict[int, int] = {}  # connection id -> the peer's pid (0: unknown)
         self._closed = False
-        self._file = holdsfile.HoldsFile.create()
+        self._file = file if file is not None else holdsfile.HoldsFile.create()
         self._seq = holdsfile.ALIVE
-        self._slots: set[int] = set()  # table slots of the holds not let go
+        self._slots: set[int] = {holdsfile.ALIVE}  # table slots in use: the holds', the header
         self._exiting = False  # set at exit: nothing is let go any more
+        self._accepting = True  # False once handed to a keeper
         self._conns: dict[socket.socket, threading.Thread] = {}  # connections being served
         self._due = threading.Event()  # an object's last holder went
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        name = f"gpu_serde-{os.getpid()}-{secrets.token_hex(8)}"
-        self._sock.bind("\0" + name)
-        self._sock.listen(512)
-        self.address = "@" + name
+        self._wake_r, self._wake_w = os.pipe()  # wakes the serving thread (a close, a hand-off)
+        if sock is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.bind(f"\0gpu_serde-{os.getpid()}-{secrets.token_hex(8)}")
+            sock.listen(512)
+        self._sock = sock
+        name = sock.getsockname()  # abstract: b"\0" and the name
+        self.address = "@" + (name.decode() if isinstance(name, bytes) else name)[1:]
         self._thread = threading.Thread(target=self._serve, name="gpu_serde-broker", daemon=True)
         self._thread.start()
         self._letting_go = threading.Thread(
@@ -116,11 +147,17 @@ class Broker:
         self._letting_go.start()
 
     # ---- descriptors ----
-    def offer(self, fd: int, identity: bytes = ANY) -> bytes:
+    def offer(
+        self, fd: int, identity: bytes = ANY, *, keep: Callable[[], None] | None = None
+    ) -> bytes:
         """Serve a duplicate of ``fd`` (the caller keeps its own) and return the token for it.
 
         ``identity`` (16 bytes) names what the descriptor is (a pool, a region and its size): a
-        fetch that expects anything else is refused.
+        fetch that expects anything else is refused. ``keep`` marks a descriptor that keeps its
+        memory allocated by itself (a VMM allocation's): when this process exits while holds on
+        that memory are unclaimed or held, a keeper process serves it on (:meth:`to_keep`);
+        ``keep()`` then runs first, and makes the memory ready to outlive this process (it
+        waits for the GPU's work on it).
         """
         token = secrets.token_bytes(TOKEN_BYTES)
         dup = os.dup(fd)
@@ -129,12 +166,15 @@ class Broker:
                 os.close(dup)
                 raise RuntimeError("the descriptor broker is closed")
             self._fds[token] = (dup, identity)
+            if keep is not None:
+                self._keepable[token] = keep
         return token
 
     def revoke(self, token: bytes) -> None:
         """Stop serving ``token`` and close the broker's descriptor for it (unknown: no-op)."""
         with self._lock:
             entry = self._fds.pop(token, None)
+            self._keepable.pop(token, None)
         if entry is not None:
             os.close(entry[0])
 
@@ -150,6 +190,7 @@ class Broker:
         *,
         block: bytes = ANY,
         grace: float = 0.0,
+        needs: bytes | None = None,
     ) -> bytes:
         """Keep ``obj`` alive for importers; return its token.
 
@@ -158,7 +199,9 @@ class Broker:
         closed), the broker waits ``grace`` seconds (a new acquire in that time keeps it), then
         drops it and calls ``on_release(obj)`` in the broker's release thread (a slow callback
         delays no reply). An object never acquired (or sent again, :meth:`sent_again`, and not
-        acquired since) is kept until :meth:`close` or exit.
+        acquired since) is kept until :meth:`close` or exit. ``needs`` names the offer (its
+        token) that an importer fetches to map the memory: when it was offered with ``keep``,
+        a keeper serves the hold on after this process exits (:meth:`to_keep`).
         """
         with self._lock:
             if self._closed:
@@ -167,7 +210,7 @@ class Broker:
             token = seq.to_bytes(8, "big") + secrets.token_bytes(TOKEN_BYTES - 8)
             self._file.write(seq, token, block)
             self._slots.add(seq % holdsfile.SLOTS)
-            self._holds[token] = _Hold(obj, seq, block, on_release, grace)
+            self._holds[token] = _Hold(obj, seq, block, on_release, grace, needs=needs)
         return token
 
     def _next_seq(self) -> int:
@@ -193,7 +236,7 @@ class Broker:
             entry = self._holds.get(token)
             if entry is None or entry.obj is not obj:
                 return False
-            entry.unclaimed, entry.due = True, None
+            entry.unclaimed, entry.due, entry.since = True, None, time.monotonic()
             entry.sends += 1
             self._file.write_sends(entry.seq, entry.sends)  # before the new payload leaves
             return True
@@ -326,6 +369,109 @@ class Broker:
                 on_release(obj)
             del obj
 
+    # ---- a keeper serves on after this process exits ----
+    def to_keep(self) -> Kept | None:
+        """At exit (the release thread stopped): let go of what no importer needs any more, and
+        say what a keeper process must serve on; None when nothing is left to keep.
+
+        A hold is kept when its memory was offered with ``keep`` and a payload of it is not yet
+        claimed, or an importer holds it (its lock). A claimed hold that no process holds is let
+        go now (its byte write-locked; no callback runs: this process is ending). Every other
+        hold (memory that goes with this process, a pool's) is marked gone in the holds file:
+        an importer's acquire then says that its exporter exited.
+        """
+        with self._lock:
+            if self._closed:
+                return None
+            kept: list[tuple[bytes, _Hold]] = []
+            for token, entry in list(self._holds.items()):
+                keepable = entry.needs is not None and entry.needs in self._keepable
+                if keepable and (entry.unclaimed or entry.holders):
+                    kept.append((token, entry))
+                elif holdsfile.try_lock(self._file.fd, fcntl.F_WRLCK, entry.seq):
+                    del self._holds[token]
+                    self._slots.discard(entry.seq % holdsfile.SLOTS)
+                elif keepable:
+                    kept.append((token, entry))  # a process holds its lock: its note is late
+                else:
+                    self._file.write_sends(entry.seq, holdsfile.GONE)
+            if not kept:
+                return None
+            needed = {entry.needs for _, entry in kept}
+            offers = {t: self._fds[t] for t in needed if t is not None and t in self._fds}
+            now = time.monotonic()
+            state = {
+                "address": self.address,
+                "sock": self._sock.fileno(),
+                "file": self._file.fd,
+                "seq": self._seq,
+                "offers": [[t.hex(), fd, identity.hex()] for t, (fd, identity) in offers.items()],
+                "gone": [t.hex() for t in self._fds if t not in offers],  # go with this process
+                "holds": [
+                    [
+                        t.hex(),
+                        e.block.hex(),
+                        e.sends,
+                        e.unclaimed,
+                        e.grace,
+                        max(0.0, e.due - now) if e.due is not None else None,
+                        (e.needs or b"").hex(),
+                    ]
+                    for t, e in kept
+                ],
+            }
+            fds = [self._sock.fileno(), self._file.fd, *(fd for fd, _ in offers.values())]
+            ready = list({id(f): f for t, f in self._keepable.items() if t in offers}.values())
+        return Kept(fds, state, ready)
+
+    def stop_accepting(self) -> None:
+        """Accept no more connections here (a keeper accepts them from now on); the serving
+        thread ends. Connections already made are served until this process ends."""
+        self._accepting = False
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+        if self._thread is not threading.current_thread():
+            self._thread.join(2.0)
+
+    def mark_exited(self) -> None:
+        """Say in the holds file that this process has exited and its GPU work is done (an
+        importer then waits for no event of this process)."""
+        self._file.mark_exited()
+
+    def adopt(self, state: dict[str, Any], fds: dict[int, int]) -> None:
+        """In a keeper: take over the holds and offers of ``state`` (from :meth:`to_keep`);
+        ``fds`` maps the exiting process's descriptor numbers to this process's."""
+        now = time.monotonic()
+        with self._lock:
+            self._seq = int(state["seq"])
+            self._gone = {bytes.fromhex(t) for t in state["gone"]}
+            for token, fd, identity in state["offers"]:
+                self._fds[bytes.fromhex(token)] = (fds[int(fd)], bytes.fromhex(identity))
+            for token, block, sends, unclaimed, grace, due, needs in state["holds"]:
+                t = bytes.fromhex(token)
+                entry = _Hold(None, holdsfile.seq_of(t), bytes.fromhex(block), _nothing, grace)
+                entry.sends, entry.unclaimed, entry.since = int(sends), bool(unclaimed), now
+                entry.needs = bytes.fromhex(needs) or None
+                # claimed: let go once no process holds its lock (the notes went with the old
+                # connections; importers note their holds again when they next connect)
+                entry.due = None if unclaimed else now + (due if due is not None else 0.0)
+                self._holds[t] = entry
+                self._slots.add(entry.seq % holdsfile.SLOTS)
+        self._due.set()
+
+    def expire_unclaimed(self, after: float) -> None:
+        """Treat as claimed (and so let go once no process holds its lock) every hold sent
+        ``after`` seconds ago or more and never acquired since: a keeper keeps no payload for
+        ever."""
+        now = time.monotonic()
+        with self._lock:
+            for entry in self._holds.values():
+                if entry.unclaimed and now - entry.since >= after:
+                    entry.unclaimed = False
+                    if not entry.holders:
+                        entry.due = now
+        self._due.set()
+
     def close(self, *, inherited: bool = False) -> None:
         """Stop serving and close every descriptor the broker holds, its connections' too.
 
@@ -339,6 +485,9 @@ class Broker:
             self._held_over.clear()
             conns, self._conns = list(self._conns.items()), {}
         self._due.set()  # the release thread ends
+        if not inherited:  # (a forked child's pipe is its parent's too)
+            with contextlib.suppress(OSError):
+                os.write(self._wake_w, b"x")  # the serving thread ends
         for fd in fds:
             os.close(fd)
         self._file.close()  # the exporter's locks go (when it is the last copy): importers see it
@@ -346,6 +495,9 @@ class Broker:
             with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_RDWR)  # wakes the serving thread's accept
         self._sock.close()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
         for conn, _ in conns:
             with contextlib.suppress(OSError):
                 if inherited:
@@ -361,6 +513,13 @@ class Broker:
     def _serve(self) -> None:
         self._sock.settimeout(0.25)  # wake up now and then to notice a close
         while True:
+            with contextlib.suppress(OSError, ValueError):
+                watched: list[Any] = [self._sock, self._wake_r]
+                ready, _, _ = select.select(watched, [], [], 0.25)
+                if self._wake_r in ready:
+                    os.read(self._wake_r, 64)
+            if self._closed or not self._accepting:
+                return
             try:
                 conn, _ = self._sock.accept()
             except TimeoutError:
@@ -370,6 +529,9 @@ class Broker:
                     return
                 time.sleep(0.05)  # EMFILE, ECONNABORTED...: keep serving
                 continue
+            if not self._accepting:  # handed to a keeper meanwhile: it serves, not this one
+                conn.close()
+                return
             # a thread per connection: a slow or silent peer holds up no one else
             thread = threading.Thread(target=self._handle, args=(conn,), daemon=True)
             with self._lock:
@@ -461,7 +623,7 @@ class Broker:
             return True
         with self._lock:
             entry = self._fds.get(token)
-            answer = NO if entry is None else OK
+            answer = (GONE if token in self._gone else NO) if entry is None else OK
             if entry is not None and entry[1] != ANY and entry[1] != check:
                 answer = MISMATCH
             fd = os.dup(entry[0]) if answer == OK and entry is not None else None
@@ -473,6 +635,10 @@ class Broker:
         finally:
             os.close(fd)
         return True
+
+
+def _nothing(_obj: Any) -> None:
+    """A keeper's ``on_release``: the memory goes when the keeper closes its descriptors."""
 
 
 _broker: Broker | None = None

@@ -1,0 +1,167 @@
+"""The keeper: a small process that serves an exporter's memory on after the exporter exits, so
+that a payload sent just before the end (a Ray GPU task's result: Ray ends that worker after the
+task) still arrives with its bytes.
+
+**When.** At a normal exit (``atexit``), a process whose broker still has holds on memory that
+its descriptor keeps allocated by itself (an ``ArenaMemoryResource`` region, a
+``VirtualMemoryResource`` buffer: CUDA frees such memory only once every descriptor of it is
+closed) hands them over, if one of them is unclaimed (a payload not yet acquired) or still held
+by an importer. A claimed hold that no one holds is let go instead; memory that goes with its
+process (a memory pool's) is marked gone in the holds file, so that an importer is told its
+exporter exited. A process that is killed hands over nothing: its importers get
+:class:`~gpu_serde.ExporterGoneError`.
+
+**How.** The exiting process waits for the GPU's work on the kept memory, marks its holds file
+"exited" (importers then wait for no event of it), stops accepting connections, and starts the
+keeper with the listening socket, the holds file and the kept descriptors (the same open file
+descriptions: the exporter's write locks, its hold on byte ``ALIVE`` among them, stay). The
+keeper detaches (a new session, and a parent that has exited: Ray kills an exiting worker's
+direct children) and serves the same address with a :class:`~gpu_serde.memory.broker.Broker`.
+Importers reconnect to it as to a broker that hung up, and note their holds again.
+
+**Until.** The keeper lets a hold go as the exporter would (no process holds its lock, after
+the grace period), and keeps an unclaimed one :data:`KEEP_S` seconds at most. When it holds
+nothing, it closes everything and exits: the memory is freed once the importers' own mappings go.
+It never touches CUDA: a descriptor is all it holds.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+from gpu_serde.memory.broker import holdsfile, server
+
+#: Seconds a keeper keeps a payload that no importer has claimed, from the exporter's exit
+#: (``GPU_SERDE_KEEP_S``; 0: no keeper, what an exiting exporter holds goes with it). Read at
+#: exit.
+KEEP_S = 120.0
+#: Seconds an exiting process waits for its keeper to take over.
+START_S = 15.0
+_POLL_S = 0.5
+
+
+def keep_s() -> float:
+    """:data:`KEEP_S`, or ``GPU_SERDE_KEEP_S`` when it is set.
+
+    Raises:
+        ValueError: ``GPU_SERDE_KEEP_S`` is not a number of seconds (0 or more).
+    """
+    raw = os.environ.get("GPU_SERDE_KEEP_S")
+    if raw is None:
+        return KEEP_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:  # NaN too
+        raise ValueError(f"GPU_SERDE_KEEP_S={raw!r} is not a number of seconds (0 or more)")
+    return seconds
+
+
+def _package_root() -> str:
+    import gpu_serde
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(gpu_serde.__file__)))
+
+
+# The keeper's program: detach first (its parent exits at once, so the exporter's Ray worker
+# finds no child of its own to kill), then import and serve.
+_PROGRAM = (
+    "import os, sys\n"
+    "if os.fork():\n"
+    "    os._exit(0)\n"
+    "sys.path.insert(0, sys.argv[1])\n"
+    "from gpu_serde.memory.broker.keeper import main\n"
+    "main()\n"
+)
+
+
+def hand_off(b: server.Broker, keep: float) -> int | None:
+    """Hand what broker ``b`` must keep serving to a new keeper process (at exit, the release
+    thread stopped); its pid, or None when nothing needed keeping.
+
+    Raises:
+        OSError, RuntimeError: the keeper could not be started (nothing was handed over then;
+            what the broker held goes with this process).
+    """
+    kept = b.to_keep()
+    if kept is None:
+        return None
+    for make_ready in kept.ready:
+        make_ready()  # the GPU's work on the kept memory is done before this process ends
+    b.mark_exited()
+    b.stop_accepting()
+    state = dict(kept.state, keep=keep)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PROGRAM, _package_root(), __name__, b.address],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        # nothing of this process's: a parent that reads its output until the end must not
+        # wait for the keeper's
+        stderr=subprocess.DEVNULL,
+        pass_fds=kept.fds,
+        start_new_session=True,
+        close_fds=True,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        proc.stdin.write(json.dumps(state).encode() + b"\n")
+        proc.stdin.close()
+        readable, _, _ = select.select([proc.stdout], [], [], START_S)
+        line = proc.stdout.readline() if readable else b""
+    finally:
+        proc.stdout.close()
+        proc.wait(START_S)
+    if not line.startswith(b"keeping "):
+        raise RuntimeError("the keeper process did not start")
+    return int(line.split()[1])
+
+
+def _hand_off_at_exit() -> None:
+    b = server._broker
+    if b is None:
+        return
+    try:
+        keep = keep_s()
+        if keep <= 0:
+            return
+        b.stop_letting_go()
+        hand_off(b, keep)
+    except Exception as exc:  # said, never raised: the process is ending
+        print(
+            f"gpu_serde: the memory this process sent could not be handed to a keeper ({exc}); "
+            "receivers that have not yet taken it get ExporterGoneError",
+            file=sys.stderr,
+        )
+
+
+atexit.register(_hand_off_at_exit)  # after the broker's: runs before it
+
+
+def main() -> None:
+    """The keeper process: read the state (one JSON line on stdin), serve it, and exit once
+    nothing is held."""
+    state: dict[str, Any] = json.loads(sys.stdin.readline())
+    fds = {int(fd): int(fd) for _, fd, _ in state["offers"]}
+    sock_fd, file_fd = int(state["sock"]), int(state["file"])
+    sock = socket.socket(fileno=sock_fd)
+    b = server.Broker(sock=sock, file=holdsfile.HoldsFile(file_fd))
+    b.adopt(state, fds)
+    with open(os.devnull, "rb") as null_in, open(os.devnull, "wb") as null_out:
+        os.dup2(null_in.fileno(), 0)
+        sys.stdout.write(f"keeping {os.getpid()}\n")
+        sys.stdout.flush()
+        os.dup2(null_out.fileno(), 1)
+    keep = float(state["keep"])
+    while b.held():
+        time.sleep(_POLL_S)
+        b.expire_unclaimed(keep)
+    b.close()

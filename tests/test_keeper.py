@@ -1,0 +1,199 @@
+"""A buffer sent just before its exporter exits still arrives with its bytes: a keeper process
+serves what the exporter held (docs/memory.md, "When the exporter exits"). On simulated GPUs
+(CPU tier) and on the real GPU (``pytest -m gpu``).
+
+The exporters here are child processes that send and then end normally, as a Ray GPU task's
+worker does after its task (Ray's default for ``num_gpus > 0`` is ``max_calls=1``).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import time
+
+import pytest
+from memtier import check, fill, ray_on, wait_until
+
+import gpu_serde
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+# An exporter that allocates, fills with the test pattern, sends (prints the pickle) and exits.
+SEND_AND_EXIT = """
+import pickle, sys
+sys.path.insert(0, sys.argv[2])
+import gpu_serde
+from cuda.core import Device, DeviceMemoryResource, DeviceMemoryResourceOptions
+from cuda.core import VirtualMemoryResource, VirtualMemoryResourceOptions
+from memtier import fill
+gpu_serde.install(); d = Device(0); d.set_current()
+size = int(sys.argv[3])
+out = []
+for kind in sys.argv[1].split(","):
+    if kind == "arena":
+        mr = gpu_serde.ArenaMemoryResource(d, 2 * size)
+    elif kind == "vmm":
+        mr = VirtualMemoryResource(d, VirtualMemoryResourceOptions())
+    else:
+        mr = DeviceMemoryResource(d, DeviceMemoryResourceOptions(ipc_enabled=True, max_size=2 * size))
+    buf = mr.allocate(size, stream=d.default_stream)
+    fill(buf)
+    out.append(pickle.dumps(buf).hex())
+    del buf  # the exporter drops its own reference: the hold keeps the memory
+print(" ".join(out), flush=True)
+"""
+
+
+@pytest.fixture
+def gpu(tier, monkeypatch):
+    from cuda.core import Device
+
+    gpu_serde.visible_devices()  # this process's view, before a child's environment is set
+    gpu_serde.install()
+    monkeypatch.setenv("GPU_SERDE_RELEASE_GRACE_S", "0.2")  # exporters let go soon
+    dev = Device(tier.ordinal)
+    dev.set_current()
+    yield dev
+    gpu_serde.uninstall()
+
+
+def keepers() -> set[int]:
+    """The pids of this host's keeper processes."""
+    found = set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"gpu_serde.memory.broker.keeper" in f.read():
+                        found.add(int(pid))
+            except OSError:
+                continue
+    return found
+
+
+def send_and_exit(tier, kinds: str, **env: str) -> list[bytes]:
+    """Run an exporter that sends one buffer of each kind (comma-separated) and exits; its
+    payloads, once it has exited."""
+    environ = dict(os.environ, CUDA_VISIBLE_DEVICES=tier.uuid, **env)
+    done = subprocess.run(
+        [sys.executable, "-c", SEND_AND_EXIT, kinds, TESTS, str(tier.size)],
+        capture_output=True,
+        text=True,
+        env=environ,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "could not be handed" not in done.stderr, done.stderr
+    return [bytes.fromhex(h) for h in done.stdout.split()]
+
+
+@pytest.mark.parametrize("kind", ["arena", "vmm"])
+def test_a_buffer_sent_just_before_its_exporter_exits_arrives_with_its_bytes(gpu, tier, kind):
+    before = keepers()
+    (blob,) = send_and_exit(tier, kind)
+    new = keepers() - before
+    assert len(new) == 1  # one keeper serves what the exporter held
+    buf = pickle.loads(blob)
+    got = check(buf)
+    assert got["ok"] and got["size"] == tier.size
+    buf.close()
+    del buf
+    # the receiver let go: the keeper lets go too, and ends (the memory goes with its
+    # descriptors once this process unmaps it)
+    assert wait_until(lambda: not (keepers() & new), timeout=30)
+
+
+def test_a_buffer_sent_again_by_its_receiver_reaches_a_third_process_through_the_keeper(
+    gpu, tier, monkeypatch
+):
+    from memtier import child
+
+    (blob,) = send_and_exit(tier, "arena")
+    buf = pickle.loads(blob)
+    with child(monkeypatch, tier.uuid) as c:
+        got = c.run(check, buf)  # travels on as it came: the keeper serves the third process
+    assert got["ok"] and got["pid"] != os.getpid()
+
+
+def test_a_payload_no_one_claims_is_kept_for_keep_s_then_is_exporter_gone(gpu, tier):
+    before = keepers()
+    (blob,) = send_and_exit(tier, "arena", GPU_SERDE_KEEP_S="1")
+    new = keepers() - before
+    assert len(new) == 1
+    assert wait_until(lambda: not (keepers() & new), timeout=30)  # kept 1 s, then let go
+    got = pickle.loads(blob)  # never raises: the error waits for use
+    with pytest.raises(gpu_serde.ExporterGoneError):
+        gpu_serde.resolve(got)
+
+
+def test_keep_s_zero_starts_no_keeper(gpu, tier):
+    before = keepers()
+    (blob,) = send_and_exit(tier, "arena", GPU_SERDE_KEEP_S="0")
+    assert not keepers() - before
+    with pytest.raises(gpu_serde.ExporterGoneError):
+        gpu_serde.resolve(pickle.loads(blob))
+
+
+def test_a_pool_buffer_whose_exporter_exited_says_its_memory_went_with_it(gpu, tier):
+    pool_blob, arena_blob = send_and_exit(tier, "pool,arena")
+    with pytest.raises(gpu_serde.ExporterGoneError, match="went with it"):
+        gpu_serde.resolve(pickle.loads(pool_blob))
+    assert check(pickle.loads(arena_blob))["ok"]  # the arena's, from the same exporter, is kept
+
+
+def test_an_exporter_whose_receivers_all_let_go_starts_no_keeper(gpu, tier, monkeypatch):
+    """The common case pays nothing: what was claimed and released is let go at exit."""
+    code = SEND_AND_EXIT.replace(
+        'print(" ".join(out), flush=True)',
+        "import subprocess\n"
+        "for blob in out:\n"
+        "    subprocess.run([sys.executable, '-c', 'import pickle, sys, gpu_serde;"
+        " gpu_serde.install(); b = pickle.loads(bytes.fromhex(sys.argv[1]));"
+        " gpu_serde.resolve(b).close()', blob], check=True)\n",
+    )
+    before = keepers()
+    environ = dict(os.environ, CUDA_VISIBLE_DEVICES=tier.uuid)
+    done = subprocess.run(
+        [sys.executable, "-c", code, "arena", TESTS, str(tier.size)],
+        capture_output=True,
+        text=True,
+        env=environ,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    time.sleep(0.5)
+    assert not keepers() - before
+
+
+@pytest.fixture(scope="module")
+def ray_session(tier):
+    with ray_on(tier, __name__, num_cpus=2) as ray:
+        yield ray
+
+
+def make_in_gpu_task(size: int) -> tuple[int, object]:
+    """A Ray GPU task with Ray's default max_calls (1): Ray ends its worker after it."""
+    from cuda.core import Device
+
+    d = Device(0)
+    d.set_current()
+    mr = gpu_serde.ArenaMemoryResource(d, 2 * size)
+    buf = mr.allocate(size, stream=d.default_stream)
+    fill(buf)
+    return os.getpid(), buf
+
+
+def test_a_buffer_returned_from_a_ray_gpu_task_that_ray_ends_arrives_with_its_bytes(
+    ray_session, gpu, tier
+):
+    ray = ray_session
+    make = ray.remote(num_gpus=0.5, num_returns=2)(make_in_gpu_task)  # max_calls: Ray's default
+    consume = ray.remote(num_gpus=0.5)(check)
+    pid_ref, buf_ref = make.remote(tier.size)
+    pid = ray.get(pid_ref)
+    assert wait_until(lambda: not os.path.exists(f"/proc/{pid}"), timeout=60)  # Ray ended it
+    got = ray.get(consume.remote(buf_ref))
+    assert got["ok"] and got["size"] == tier.size and got["pid"] != pid
