@@ -3,7 +3,8 @@
 Run it with the release's code on simulated GPUs (``python tests/old_pickles/generate.py OUT``);
 commit what it writes under ``tests/old_pickles/<version>/``. Each file is what that release's
 reducers put on the wire for one object. Every payload names a GPU, a host or an exporter that no
-test process has, so loading it gives a placeholder that must re-pickle to the very same bytes.
+test process has, so loading it gives a placeholder that must re-pickle to the very same bytes (a
+buffer by value gives a new buffer with its bytes).
 Never regenerate an old release's folder: those files are the compatibility surface.
 """
 
@@ -40,6 +41,17 @@ class Reduced:
         return self.reduced
 
 
+class ReducedByProtocol:
+    """An object that reduces as the release's reducer did under each pickle protocol (a host
+    copy's bytes travel out-of-band under protocol 5, as a writable buffer: in-band here)."""
+
+    def __init__(self, make: object) -> None:
+        self.make = make
+
+    def __reduce_ex__(self, protocol: object) -> tuple:  # type: ignore[override]
+        return self.make(protocol)  # type: ignore[operator, no-any-return]
+
+
 def objects() -> dict[str, object]:
     from cuda.core import Device, VirtualMemoryResourceOptions
 
@@ -61,6 +73,20 @@ def objects() -> dict[str, object]:
     region = (1, dev_payload, BOOT, ADDRESS, TOKEN, POOL_ID, 4 << 20, bytes(range(64)))
     tshr = (1, cupy_meta, (1, region, 1 << 20, 4096, bytes(range(32, 48))))
     tipc = (1, dev_payload, BOOT, meta, bytes(range(64)), 28, 512, b"/torch_42_7_0", 3, None, True)
+    # the arena, by-value and portable kinds, and what could not be sent (added before 0.1.0)
+    abuf = (1, region, 1 << 20, 4096, bytes(range(32, 48)))
+
+    def data(protocol: int) -> object:
+        raw = bytes(range(64))
+        return pickle.PickleBuffer(bytearray(raw)) if protocol >= 5 else raw
+
+    def hbuf(protocol: int) -> tuple:
+        return (wire.hbuf, ((1, dev_payload, 64, data(protocol)),))
+
+    def pbuf(protocol: int) -> tuple:
+        return (wire.pbuf, ((1, "abuf", abuf, (1, dev_payload, 64, data(protocol))),))
+
+    unsent = (1, "a Buffer", "HandoffError", "this Buffer was closed by its exporter")
     return {
         "device": device,
         "options": options,
@@ -74,6 +100,11 @@ def objects() -> dict[str, object]:
         "tensor_value": Reduced((wire.tval, (tval,))),
         "tensor_shared": Reduced((wire.tshr, (tshr,))),
         "tensor_ipc": Reduced((wire.tipc, (tipc,))),
+        "arena": Reduced((wire.arena, (region,))),
+        "arena_buffer": Reduced((wire.abuf, (abuf,))),
+        "host_copy": ReducedByProtocol(hbuf),
+        "portable": ReducedByProtocol(pbuf),
+        "unsent": Reduced((wire.unsent, (unsent,))),
     }
 
 
