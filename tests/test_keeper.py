@@ -23,7 +23,12 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 
 # An exporter that allocates, fills with the test pattern, sends (prints the pickle) and exits.
 SEND_AND_EXIT = """
-import pickle, sys
+import os, pickle, resource, sys
+if os.environ.get("AWKWARD"):  # a daemon's: no stdin (the holds file gets descriptor 0), and
+    os.close(0)  # more than 1024 descriptors open (select() cannot watch them)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    extra = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
 sys.path.insert(0, sys.argv[2])
 import gpu_serde
 from cuda.core import Device, DeviceMemoryResource, DeviceMemoryResourceOptions
@@ -106,6 +111,48 @@ def test_a_buffer_sent_just_before_its_exporter_exits_arrives_with_its_bytes(gpu
     assert wait_until(lambda: not (keepers() & new), timeout=30)
 
 
+def test_an_exporter_without_stdin_and_with_many_descriptors_hands_off_too(gpu, tier):
+    (blob,) = send_and_exit(tier, "arena", AWKWARD="1")
+    assert check(pickle.loads(blob))["ok"]
+
+
+def test_the_keeper_keeps_a_released_buffer_for_the_grace_period(gpu, tier, monkeypatch):
+    """A receiver that forwards a buffer and closes it does not lose it for the next process,
+    as with a live exporter."""
+    from memtier import child
+
+    (blob,) = send_and_exit(tier, "arena", GPU_SERDE_RELEASE_GRACE_S="5")
+    buf = pickle.loads(blob)
+    forwarded = pickle.dumps(buf)  # travels on as it came
+    buf.close()
+    del buf
+    time.sleep(1.5)  # the keeper sees the lock free, and waits out the grace period
+    with child(monkeypatch, tier.uuid) as c:
+        got = c.run(check, pickle.loads(forwarded))
+    assert got["ok"]
+
+
+def keeper_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_the_keeper_closes_what_it_let_go_while_it_keeps_the_rest(gpu, tier):
+    before = keepers()
+    first, second = send_and_exit(tier, "vmm,vmm")
+    (keeper,) = keepers() - before
+    a, b = pickle.loads(first), pickle.loads(second)
+    assert check(a)["ok"] and check(b)["ok"]
+    held_both = keeper_fds(keeper)
+    a.close()
+    del a
+    # a's descriptor is closed (its memory goes once this process unmaps it); b's is kept
+    assert wait_until(lambda: keeper_fds(keeper) == held_both - 1, timeout=30)
+    assert check(b)["ok"]
+    b.close()
+    del b
+    assert wait_until(lambda: keeper not in keepers(), timeout=30)
+
+
 def test_a_buffer_sent_again_by_its_receiver_reaches_a_third_process_through_the_keeper(
     gpu, tier, monkeypatch
 ):
@@ -127,6 +174,15 @@ def test_a_payload_no_one_claims_is_kept_for_keep_s_then_is_exporter_gone(gpu, t
     got = pickle.loads(blob)  # never raises: the error waits for use
     with pytest.raises(gpu_serde.ExporterGoneError):
         gpu_serde.resolve(got)
+
+
+def test_an_expired_payload_says_so_while_the_keeper_keeps_others(gpu, tier):
+    kept, expired = send_and_exit(tier, "arena,arena", GPU_SERDE_KEEP_S="1")
+    buf = pickle.loads(kept)  # claimed at once: kept while held
+    time.sleep(3)  # the other expires
+    with pytest.raises(gpu_serde.ExporterGoneError, match="GPU_SERDE_KEEP_S"):
+        gpu_serde.resolve(pickle.loads(expired))
+    assert check(buf)["ok"]
 
 
 def test_keep_s_zero_starts_no_keeper(gpu, tier):

@@ -94,26 +94,39 @@ def attach(p: RegionPayload, wire_payload: tuple[Any, ...]) -> Region:
 
 def _map_region(p: RegionPayload, wire_payload: tuple[Any, ...]) -> Region:
     ordinal = lifetime.local_ordinal(p.device, p.boot, "GPU memory (an ArenaMemoryResource)")
+    exited = _broker.exited(p.address)  # before anything is mapped: it may raise
     fd = _broker.fetch(p.address, p.token, p.identity)
     try:
         with _driver.context(ordinal):
             flags = _driver.ACCESS["rw"]
             base = _driver.import_and_map(fd, p.size, _driver.access([(ordinal, flags)]))
             try:
-                event = None if _broker.exited(p.address) else _driver.open_ipc_event(p.event)
-            except HandoffError:
-                # the exporter may have exited since (a keeper serves its region): its work is
-                # done, and its event may not open any more
-                if not _broker.exited(p.address):
-                    _driver.unmap_here(base, p.size)
-                    raise
-                event = None
-            except Exception:
+                event = None if exited else _open_event(p)
+            except BaseException:
                 _driver.unmap_here(base, p.size)
                 raise
     finally:
         os.close(fd)
     return Region(p.region, wire_payload, base, p.size, ordinal, event, p.address)
+
+
+def _open_event(p: RegionPayload) -> Any:
+    """The exporter's event, opened here; None when the exporter has exited meanwhile (a keeper
+    serves its region: its work is done, and its event may not open any more).
+
+    Raises:
+        HandoffError: the driver refused, and the exporter has not exited.
+    """
+    try:
+        return _driver.open_ipc_event(p.event)
+    except HandoffError:
+        try:
+            gone = _broker.exited(p.address)
+        except HandoffError:
+            gone = False
+        if not gone:
+            raise
+        return None
 
 
 def attached() -> int:

@@ -25,7 +25,8 @@ a timeout (1 s by default) instead of hanging. The wire protocol, both sides: a 
 which the broker checks; for an acquire's note, the count of sends again it read in the table);
 descriptors arrive close-on-exec. A fetch is answered with one byte (:data:`OK` with a
 descriptor, :data:`NO`: unknown or revoked; :data:`MISMATCH`: the token is real but was issued for
-another descriptor; :data:`GONE`, from a keeper: the memory went with its exited exporter), as is
+another descriptor; from a keeper, :data:`GONE`: the memory went with its exited exporter, and
+:data:`EXPIRED`: it was kept unclaimed for its time, then given up), as is
 the request for the holds file; the notes of an acquire and a release are not answered. The
 server side is :mod:`gpu_serde.memory.broker.server`.
 """
@@ -58,6 +59,7 @@ OK = b"K"
 NO = b"N"
 MISMATCH = b"M"
 GONE = b"G"  # from a keeper: the descriptor's memory went with its exited exporter
+EXPIRED = b"E"  # from a keeper: it kept the descriptor for its time, and no one took it
 NO_CHECK = bytes(CHECK_BYTES)
 CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
@@ -581,6 +583,14 @@ def _went_with_it(address: str) -> ExporterGoneError:
     )
 
 
+def _expired(address: str) -> ExporterGoneError:
+    return ExporterGoneError(
+        f"the exporting process behind the descriptor broker {address} has exited; its keeper "
+        "kept this memory for receivers for GPU_SERDE_KEEP_S seconds (120 by default), and none "
+        "took it in that time: receive it sooner, or raise GPU_SERDE_KEEP_S in the exporter"
+    )
+
+
 def _let_go(address: str) -> TokenRefusedError:
     return TokenRefusedError(
         f"the exporter ({address}) no longer holds this object: every earlier importer "
@@ -623,6 +633,8 @@ def acquire(address: str, token: bytes, block: bytes = NO_CHECK, *, timeout: flo
                 f"kernel refused a lock in its holds file ({exc.strerror or exc})"
             ) from None
         if refused:
+            if seq != holdsfile.ALIVE and file.slot(seq)[::2] == (token, holdsfile.EXPIRED):
+                raise _expired(address)
             raise _let_go(address)  # let go: the exporter write-locked it
         try:
             issued, held_block, sends = file.slot(seq)
@@ -718,6 +730,8 @@ def fetch(address: str, token: bytes, identity: bytes = NO_CHECK, *, timeout: fl
         raise _mismatch(address, "descriptor")
     if msg == GONE:
         raise _went_with_it(address)
+    if msg == EXPIRED:
+        raise _expired(address)
     raise TokenRefusedError(
         f"the descriptor broker {address} refused the request: the export was released, or the "
         "token is wrong"

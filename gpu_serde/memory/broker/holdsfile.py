@@ -23,7 +23,7 @@ themselves:
 The sequence and the locks live in the kernel; the table only says what each hold was issued for.
 Slot 0 is the header, no hold's: it says when the exporter has exited and a keeper serves what it
 kept (:mod:`~gpu_serde.memory.broker.keeper`); a hold whose memory went with the exporter has
-:data:`GONE` as its count of sends.
+:data:`GONE` as its count of sends, one a keeper gave up unclaimed :data:`EXPIRED`.
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ ALIVE = 0  #: the byte the exporter write-locks for its life (slot 0 is the head
 #: The count of sends again that marks a hold whose exporter exited without keeping its memory
 #: (a pool's goes with its process): an acquire says so.
 GONE = (1 << 64) - 1
+#: The count of sends again that marks a hold a keeper gave up after keeping it unclaimed for its
+#: time (``GPU_SERDE_KEEP_S``): an importer refused is told so.
+EXPIRED = (1 << 64) - 2
 _EXITED = b"exited!!"  # the header's first 8 bytes once the exporter exited and a keeper serves
 _SEQ_MASK = (1 << 62) - 1
 _FLOCK = struct.Struct("hhxxxxqqixxxx")  # struct flock, 64-bit Linux: type, whence, start, len, pid
@@ -71,6 +74,11 @@ def try_lock(fd: int, kind: int, offset: int) -> bool:
 def unlock(fd: int, offset: int) -> None:
     """Give back this open file description's lock on byte ``offset``."""
     _lock(fd, fcntl.F_UNLCK, offset)
+
+
+def locked_by_others(fd: int, offset: int) -> bool:
+    """True when another open file description holds any lock on byte ``offset``."""
+    return _lock(fd, fcntl.F_WRLCK, offset, fcntl.F_OFD_GETLK) != fcntl.F_UNLCK
 
 
 def write_locked(fd: int, offset: int) -> bool:

@@ -28,9 +28,10 @@ It never touches CUDA: a descriptor is all it holds.
 from __future__ import annotations
 
 import atexit
+import fcntl
 import json
 import os
-import select
+import selectors
 import socket
 import subprocess
 import sys
@@ -80,7 +81,7 @@ _PROGRAM = (
     "    os._exit(0)\n"
     "sys.path.insert(0, sys.argv[1])\n"
     "from gpu_serde.memory.broker.keeper import main\n"
-    "main()\n"
+    "main(int(sys.argv[2]))\n"
 )
 
 
@@ -99,30 +100,54 @@ def hand_off(b: server.Broker, keep: float) -> int | None:
         make_ready()  # the GPU's work on the kept memory is done before this process ends
     b.mark_exited()
     b.stop_accepting()
-    state = dict(kept.state, keep=keep)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _PROGRAM, _package_root(), __name__, b.address],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        # nothing of this process's: a parent that reads its output until the end must not
-        # wait for the keeper's
-        stderr=subprocess.DEVNULL,
-        pass_fds=kept.fds,
-        start_new_session=True,
-        close_fds=True,
-    )
-    assert proc.stdin is not None and proc.stdout is not None
+    # the descriptors go at numbers of 3 and up (the same open file descriptions: their locks
+    # stay), whatever this process left at 0 to 2; the state goes in a memory file, which no
+    # write can block on
+    moved: dict[int, int] = {}
+    state_fd = -1
     try:
-        proc.stdin.write(json.dumps(state).encode() + b"\n")
-        proc.stdin.close()
-        readable, _, _ = select.select([proc.stdout], [], [], START_S)
-        line = proc.stdout.readline() if readable else b""
+        for fd in kept.fds:
+            moved[fd] = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
+        state = dict(kept.state, keep=keep, fds={str(new): old for old, new in moved.items()})
+        state_fd = os.memfd_create("gpu_serde-keeper-state", os.MFD_CLOEXEC)
+        os.write(state_fd, json.dumps(state).encode())
+        state_fd = _at_least_3(state_fd)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _PROGRAM, _package_root(), str(state_fd), __name__, b.address],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            # nothing of this process's: a parent that reads its output until the end must not
+            # wait for the keeper's
+            stderr=subprocess.DEVNULL,
+            pass_fds=[state_fd, *moved.values()],
+            start_new_session=True,
+            close_fds=True,
+        )
+    finally:
+        for fd in [*moved.values(), state_fd]:
+            if fd >= 0:
+                os.close(fd)
+    assert proc.stdout is not None
+    try:
+        with selectors.DefaultSelector() as sel:  # not select(): descriptors past 1024
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            line = proc.stdout.readline() if sel.select(START_S) else b""
     finally:
         proc.stdout.close()
         proc.wait(START_S)
     if not line.startswith(b"keeping "):
         raise RuntimeError("the keeper process did not start")
     return int(line.split()[1])
+
+
+def _at_least_3(fd: int) -> int:
+    """``fd``, moved to a number of 3 or more (it is closed)."""
+    if fd >= 3:
+        return fd
+    try:
+        return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
+    finally:
+        os.close(fd)
 
 
 def _hand_off_at_exit() -> None:
@@ -146,22 +171,22 @@ def _hand_off_at_exit() -> None:
 atexit.register(_hand_off_at_exit)  # after the broker's: runs before it
 
 
-def main() -> None:
-    """The keeper process: read the state (one JSON line on stdin), serve it, and exit once
-    nothing is held."""
-    state: dict[str, Any] = json.loads(sys.stdin.readline())
-    fds = {int(fd): int(fd) for _, fd, _ in state["offers"]}
-    sock_fd, file_fd = int(state["sock"]), int(state["file"])
-    sock = socket.socket(fileno=sock_fd)
-    b = server.Broker(sock=sock, file=holdsfile.HoldsFile(file_fd))
-    b.adopt(state, fds)
-    with open(os.devnull, "rb") as null_in, open(os.devnull, "wb") as null_out:
-        os.dup2(null_in.fileno(), 0)
+def main(state_fd: int) -> None:
+    """The keeper process: read the state (JSON, in the memory file ``state_fd``), serve it, and
+    exit once nothing is held (or its release thread died: nothing could be let go any more)."""
+    with os.fdopen(state_fd, "rb") as f:
+        f.seek(0)
+        state: dict[str, Any] = json.loads(f.read())
+    fds = {int(old): int(new) for new, old in state["fds"].items()}
+    sock = socket.socket(fileno=fds[int(state["sock"])])
+    file = holdsfile.HoldsFile(fds[int(state["file"])])
+    b = server.Broker(sock=sock, file=file, kept=(state, fds))
+    with open(os.devnull, "wb") as null:
         sys.stdout.write(f"keeping {os.getpid()}\n")
         sys.stdout.flush()
-        os.dup2(null_out.fileno(), 1)
+        os.dup2(null.fileno(), 1)
     keep = float(state["keep"])
-    while b.held():
+    while b.held() and b.alive():
         time.sleep(_POLL_S)
         b.expire_unclaimed(keep)
     b.close()

@@ -35,6 +35,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import fcntl
+import functools
 import os
 import secrets
 import select
@@ -49,6 +50,7 @@ from gpu_serde.memory.broker import holdsfile
 from gpu_serde.memory.broker.client import (
     ACQUIRE,
     CHECK_BYTES,
+    EXPIRED,
     FETCH,
     GONE,
     HOLDS_FILE,
@@ -92,6 +94,11 @@ class _Hold:
     retry: float = 0.0  # seconds before the next try to let go, while a lock is still held
     needs: bytes | None = None  # the offer (descriptor token) a keeper must serve for it
     since: float = field(default_factory=time.monotonic)  # when it was last sent, or kept
+    # in a keeper: its holders' notes went with the exporter's connections, so the lock says
+    # when it was last held (let go ``grace`` s after it is first seen free)
+    watched: bool = False
+    free_since: float | None = None
+    expired: bool = False  # in a keeper: kept KEEP_S unclaimed, then given up
 
 
 @dataclass(frozen=True)
@@ -110,16 +117,22 @@ class Broker:
     exported objects alive while importing processes hold them."""
 
     def __init__(
-        self, *, sock: socket.socket | None = None, file: holdsfile.HoldsFile | None = None
+        self,
+        *,
+        sock: socket.socket | None = None,
+        file: holdsfile.HoldsFile | None = None,
+        kept: tuple[dict[str, Any], dict[int, int]] | None = None,
     ) -> None:
-        """A new broker, or (``sock`` and ``file``: in a keeper process) one that goes on
-        serving a listening socket and a holds file handed over by an exiting process."""
+        """A new broker, or (in a keeper process) one that goes on serving the listening socket
+        ``sock`` and the holds file ``file`` of an exiting process, with the holds and offers of
+        ``kept``: its :meth:`to_keep` state, and its descriptor numbers -> this process's."""
         self._lock = threading.Lock()
         self._fds: dict[bytes, tuple[int, bytes]] = {}  # token -> (descriptor, identity)
         # token -> what makes the offer's memory ready to outlive this process: offers a keeper
         # may serve after it exits (memory that its descriptor keeps allocated)
         self._keepable: dict[bytes, Callable[[], None]] = {}
         self._gone: set[bytes] = set()  # in a keeper: offers whose memory went with the exporter
+        self._expired: set[bytes] = set()  # in a keeper: offers let go with a hold given up
         self._holds: dict[bytes, _Hold] = {}
         self._held_over: dict[int, dict[bytes, int]] = {}  # connection id -> token -> holds
         self._peers: dict[int, int] = {}  # connection id -> the peer's pid (0: unknown)
@@ -139,6 +152,9 @@ class Broker:
         self._sock = sock
         name = sock.getsockname()  # abstract: b"\0" and the name
         self.address = "@" + (name.decode() if isinstance(name, bytes) else name)[1:]
+        self._handed_off = False  # to a keeper: nothing new is held or offered here
+        if kept is not None:
+            self._adopt(*kept)  # before a connection is served
         self._thread = threading.Thread(target=self._serve, name="gpu_serde-broker", daemon=True)
         self._thread.start()
         self._letting_go = threading.Thread(
@@ -162,7 +178,7 @@ class Broker:
         token = secrets.token_bytes(TOKEN_BYTES)
         dup = os.dup(fd)
         with self._lock:
-            if self._closed:
+            if self._closed or self._handed_off:
                 os.close(dup)
                 raise RuntimeError("the descriptor broker is closed")
             self._fds[token] = (dup, identity)
@@ -204,7 +220,7 @@ class Broker:
         a keeper serves the hold on after this process exits (:meth:`to_keep`).
         """
         with self._lock:
-            if self._closed:
+            if self._closed or self._handed_off:
                 raise RuntimeError("the descriptor broker is closed")
             seq = self._next_seq()
             token = seq.to_bytes(8, "big") + secrets.token_bytes(TOKEN_BYTES - 8)
@@ -234,7 +250,7 @@ class Broker:
         under a new hold)."""
         with self._lock:
             entry = self._holds.get(token)
-            if entry is None or entry.obj is not obj:
+            if entry is None or entry.obj is not obj or self._handed_off:
                 return False
             entry.unclaimed, entry.due, entry.since = True, None, time.monotonic()
             entry.sends += 1
@@ -355,13 +371,20 @@ class Broker:
             for token, entry in list(self._holds.items()):
                 if entry.due is None or entry.due > now:
                     continue
+                if entry.watched and not self._free_for_grace(entry, now):
+                    continue
                 if not holdsfile.try_lock(self._file.fd, fcntl.F_WRLCK, entry.seq):
                     # held: its note will come, or the lock will go (backing off to 1 s)
                     entry.retry = min(1.0, max(RETRY_S, 2 * entry.retry))
                     entry.due = now + entry.retry
+                    entry.free_since = None
                     continue
                 dropped.append(self._holds.pop(token))  # the write lock stays: refused for good
                 self._slots.discard(entry.seq % holdsfile.SLOTS)
+                if entry.expired:  # an importer refused is told why
+                    self._file.write_sends(entry.seq, holdsfile.EXPIRED)
+                    if entry.needs is not None:
+                        self._expired.add(entry.needs)
         for entry in dropped:
             obj, on_release = entry.obj, entry.on_release
             entry.obj = None
@@ -421,7 +444,8 @@ class Broker:
                 ],
             }
             fds = [self._sock.fileno(), self._file.fd, *(fd for fd, _ in offers.values())]
-            ready = list({id(f): f for t, f in self._keepable.items() if t in offers}.values())
+            ready = list({_same(f): f for t, f in self._keepable.items() if t in offers}.values())
+            self._handed_off = True  # nothing new is held or offered: it would not be kept
         return Kept(fds, state, ready)
 
     def stop_accepting(self) -> None:
@@ -438,7 +462,7 @@ class Broker:
         importer then waits for no event of this process)."""
         self._file.mark_exited()
 
-    def adopt(self, state: dict[str, Any], fds: dict[int, int]) -> None:
+    def _adopt(self, state: dict[str, Any], fds: dict[int, int]) -> None:
         """In a keeper: take over the holds and offers of ``state`` (from :meth:`to_keep`);
         ``fds`` maps the exiting process's descriptor numbers to this process's."""
         now = time.monotonic()
@@ -447,27 +471,56 @@ class Broker:
             self._gone = {bytes.fromhex(t) for t in state["gone"]}
             for token, fd, identity in state["offers"]:
                 self._fds[bytes.fromhex(token)] = (fds[int(fd)], bytes.fromhex(identity))
-            for token, block, sends, unclaimed, grace, due, needs in state["holds"]:
+            for token, block, sends, unclaimed, grace, _due, needs in state["holds"]:
                 t = bytes.fromhex(token)
-                entry = _Hold(None, holdsfile.seq_of(t), bytes.fromhex(block), _nothing, grace)
+                entry = _Hold(None, holdsfile.seq_of(t), bytes.fromhex(block), self._let_go, grace)
                 entry.sends, entry.unclaimed, entry.since = int(sends), bool(unclaimed), now
                 entry.needs = bytes.fromhex(needs) or None
-                # claimed: let go once no process holds its lock (the notes went with the old
-                # connections; importers note their holds again when they next connect)
-                entry.due = None if unclaimed else now + (due if due is not None else 0.0)
+                # its holders' notes went with the exporter's connections (importers note their
+                # holds again when they next connect): the lock says when it is free
+                entry.watched = True
+                entry.due = None if unclaimed else now
                 self._holds[t] = entry
                 self._slots.add(entry.seq % holdsfile.SLOTS)
-        self._due.set()
+
+    def _free_for_grace(self, entry: _Hold, now: float) -> bool:
+        """For a hold whose holders the keeper cannot know (with the lock): True once no process
+        has held its lock for its grace period, as far as the keeper has looked; else when to
+        look again is set."""
+        if holdsfile.locked_by_others(self._file.fd, entry.seq):
+            entry.free_since = None
+            entry.retry = min(1.0, max(RETRY_S, 2 * entry.retry))
+            entry.due = now + entry.retry
+            return False
+        if entry.free_since is None:
+            entry.free_since = now
+        if now - entry.free_since < entry.grace:
+            entry.due = entry.free_since + entry.grace
+            return False
+        return True
+
+    def _let_go(self, _obj: Any) -> None:
+        """A keeper's ``on_release``: close the descriptors no hold left needs (their memory
+        goes once the importers' mappings go)."""
+        with self._lock:
+            needed = {entry.needs for entry in self._holds.values()}
+            unneeded = [t for t in self._fds if t not in needed]
+        for token in unneeded:
+            self.revoke(token)
+
+    def alive(self) -> bool:
+        """True while the broker serves and its release thread runs."""
+        return not self._closed and self._letting_go.is_alive()
 
     def expire_unclaimed(self, after: float) -> None:
         """Treat as claimed (and so let go once no process holds its lock) every hold sent
         ``after`` seconds ago or more and never acquired since: a keeper keeps no payload for
-        ever."""
+        ever. An importer refused one later is told that it expired."""
         now = time.monotonic()
         with self._lock:
             for entry in self._holds.values():
                 if entry.unclaimed and now - entry.since >= after:
-                    entry.unclaimed = False
+                    entry.unclaimed, entry.expired = False, True
                     if not entry.holders:
                         entry.due = now
         self._due.set()
@@ -512,12 +565,14 @@ class Broker:
     # ---- serving ----
     def _serve(self) -> None:
         self._sock.settimeout(0.25)  # wake up now and then to notice a close
+        poller = select.poll()  # not select(): descriptors past 1024 are common in workers
+        poller.register(self._sock, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
         while True:
-            with contextlib.suppress(OSError, ValueError):
-                watched: list[Any] = [self._sock, self._wake_r]
-                ready, _, _ = select.select(watched, [], [], 0.25)
-                if self._wake_r in ready:
-                    os.read(self._wake_r, 64)
+            with contextlib.suppress(OSError):
+                for fd, _ in poller.poll(250):
+                    if fd == self._wake_r:
+                        os.read(self._wake_r, 64)
             if self._closed or not self._accepting:
                 return
             try:
@@ -623,7 +678,9 @@ class Broker:
             return True
         with self._lock:
             entry = self._fds.get(token)
-            answer = (GONE if token in self._gone else NO) if entry is None else OK
+            answer = OK
+            if entry is None:
+                answer = GONE if token in self._gone else EXPIRED if token in self._expired else NO
             if entry is not None and entry[1] != ANY and entry[1] != check:
                 answer = MISMATCH
             fd = os.dup(entry[0]) if answer == OK and entry is not None else None
@@ -637,8 +694,11 @@ class Broker:
         return True
 
 
-def _nothing(_obj: Any) -> None:
-    """A keeper's ``on_release``: the memory goes when the keeper closes its descriptors."""
+def _same(f: Callable[[], None]) -> object:
+    """What makes two ``keep`` callables the same work (one partial per buffer, one GPU)."""
+    if isinstance(f, functools.partial):
+        return (f.func, f.args)
+    return f
 
 
 _broker: Broker | None = None
