@@ -15,7 +15,7 @@ import sys
 import time
 
 import pytest
-from memtier import check, fill, ray_on, wait_until
+from memtier import check, exited_cleanly, fill, ray_on, wait_until
 
 import gpu_serde
 
@@ -90,7 +90,7 @@ def send_and_exit(tier, kinds: str, **env: str) -> list[bytes]:
         env=environ,
         timeout=120,
     )
-    assert done.returncode == 0, done.stderr
+    assert exited_cleanly(done.returncode), done.stderr
     assert "could not be handed" not in done.stderr, done.stderr
     return [bytes.fromhex(h) for h in done.stdout.split()]
 
@@ -208,7 +208,7 @@ def test_an_exporter_whose_receivers_all_let_go_starts_no_keeper(gpu, tier, monk
         "for blob in out:\n"
         "    subprocess.run([sys.executable, '-c', 'import pickle, sys, gpu_serde;"
         " gpu_serde.install(); b = pickle.loads(bytes.fromhex(sys.argv[1]));"
-        " gpu_serde.resolve(b).close()', blob], check=True)\n",
+        ' gpu_serde.resolve(b).close(); print("closed", flush=True)\', blob])\n',
     )
     before = keepers()
     environ = dict(os.environ, CUDA_VISIBLE_DEVICES=tier.uuid)
@@ -219,7 +219,8 @@ def test_an_exporter_whose_receivers_all_let_go_starts_no_keeper(gpu, tier, monk
         env=environ,
         timeout=120,
     )
-    assert done.returncode == 0, done.stderr
+    assert exited_cleanly(done.returncode), done.stderr
+    assert done.stdout.split() == ["closed"]  # the receiver took it, and let go
     time.sleep(0.5)
     assert not keepers() - before
 
