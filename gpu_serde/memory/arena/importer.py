@@ -45,17 +45,18 @@ class Region:
 
     def wait(self) -> None:
         """Block until the exporter's work before its latest hand-off from this region is done
-        (nothing to wait for once it has exited: it waited for its work first).
+        (nothing to wait for once it has exited: it waited for its work first). Call it while
+        holding a hold at the exporter.
 
         Raises:
             HandoffError: the driver refused (the exporter's context is gone, ...).
         """
-        if self.event is None or _broker.exited(self.address):
+        if self.event is None or _broker.exited(self.address, holding=True):
             return
         try:
             _driver.wait(self.event)
         except HandoffError:
-            if not _broker.exited(self.address):  # it exited meanwhile: its work is done
+            if not _broker.exited(self.address, holding=True):  # exited meanwhile: work done
                 raise
 
 

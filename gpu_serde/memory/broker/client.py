@@ -738,14 +738,21 @@ def fetch(address: str, token: bytes, identity: bytes = NO_CHECK, *, timeout: fl
     )
 
 
-def exited(address: str, *, timeout: float = 1.0) -> bool:
+def exited(address: str, *, holding: bool = False, timeout: float = 1.0) -> bool:
     """True when the exporter behind the broker at ``address`` has exited and a keeper serves
     what it kept (its GPU work is done: no event of it needs waiting for). Fetches the broker's
-    holds file the first time (one round trip).
+    holds file the first time (one round trip). ``holding=True`` says that the caller holds a
+    hold there (its holds file stays open meanwhile): then the file is read without waiting for
+    the connection's lock, which the release thread may hold.
 
     Raises:
         ExporterGoneError: as :func:`acquire`.
     """
+    if holding:
+        link = _links.get(address)
+        file = link.file if link is not None else None
+        if file is not None and file.fd >= 0:
+            return file.exited()
     link = _taken(address, timeout)
     try:
         file = _holds_file(link, address, time.monotonic() + timeout, timeout)
