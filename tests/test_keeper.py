@@ -254,3 +254,53 @@ def test_a_buffer_returned_from_a_ray_gpu_task_that_ray_ends_arrives_with_its_by
     assert wait_until(lambda: not os.path.exists(f"/proc/{pid}"), timeout=60)  # Ray ended it
     got = ray.get(consume.remote(buf_ref))
     assert got["ok"] and got["size"] == tier.size and got["pid"] != pid
+
+
+def export_and_exit(size: int, blobs) -> None:
+    """A multiprocessing child: allocate, fill, send (put the pickle on the queue), end."""
+    from cuda.core import Device
+
+    gpu_serde.install()
+    d = Device(0)
+    d.set_current()
+    buf = gpu_serde.ArenaMemoryResource(d, 2 * size).allocate(size, stream=d.default_stream)
+    fill(buf)
+    blobs.put(pickle.dumps(buf))
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_multiprocessing_child_that_sends_and_ends_hands_off_too(gpu, tier, monkeypatch, method):
+    """A multiprocessing child ends with os._exit, which runs no atexit: gpu_serde hooks the
+    hand-off into multiprocessing's own exit ("fork" is left out: CUDA is not usable in a child
+    forked from this process, which made a context)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context(method)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", tier.uuid)
+    blobs = ctx.Queue()
+    process = ctx.Process(target=export_and_exit, args=(tier.size, blobs))
+    process.start()
+    blob = blobs.get(timeout=120)
+    process.join(60)
+    assert exited_cleanly(process.exitcode)
+    assert check(pickle.loads(blob))["ok"]
+
+
+def test_a_gone_exporter_says_what_keeps_memory_and_what_does_not(gpu, tier):
+    (blob,) = send_and_exit(tier, "pool")  # no keeper: nothing it sent is kept
+    with pytest.raises(gpu_serde.ExporterGoneError, match=r"ArenaMemoryResource.*GPU_SERDE_KEEP_S"):
+        gpu_serde.resolve(pickle.loads(blob))
+
+
+def test_an_invalid_keep_s_is_a_warning_when_the_process_first_sends(gpu, tier):
+    environ = dict(os.environ, CUDA_VISIBLE_DEVICES=tier.uuid, GPU_SERDE_KEEP_S="soon")
+    done = subprocess.run(
+        [sys.executable, "-c", SEND_AND_EXIT, "arena", TESTS, str(tier.size)],
+        capture_output=True,
+        text=True,
+        env=environ,
+        timeout=120,
+    )
+    assert exited_cleanly(done.returncode), done.stderr
+    assert "GPU_SERDE_KEEP_S='soon' is not a number of seconds" in done.stderr
+    assert "no keeper will serve what this process sends" in done.stderr  # said at the send

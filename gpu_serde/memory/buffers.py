@@ -48,7 +48,9 @@ def reduction(buf: Buffer) -> tuple[Any, ...]:
         if not buf.handle:  # a received one would forward a hold its exporter may have let go
             raise HandoffError(
                 "this Buffer was received from another process and closed here: send it before "
-                "you close it"
+                "you close it (under Dask, a task that closes its argument closes the object the "
+                "worker stores for that key, if it lives there: leave closing to Dask, which "
+                "drops it when the key is released)"
             )
         return origin
     if not buf.handle:  # closed: cuda.core no longer says its memory resource

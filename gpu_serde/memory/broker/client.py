@@ -216,8 +216,14 @@ def _connect(address: str, deadline: float) -> socket.socket:
             except OSError as exc:
                 raise ExporterGoneError(
                     f"the exporting process's descriptor broker {address} is gone "
-                    f"({exc.strerror or exc}): the exporter exited, or lives in another network "
-                    "namespace (container)"
+                    f"({exc.strerror or exc}): the process that sent this exited or was killed, "
+                    "and nothing keeps what it sent, or it lives in another network namespace "
+                    "(container). After a normal exit, a keeper serves ArenaMemoryResource and "
+                    "VirtualMemoryResource memory until its receivers let go, and a payload no "
+                    "one claimed for GPU_SERDE_KEEP_S seconds (120; 0: no keeper); a memory "
+                    "pool's buffers go with their process, and a killed process keeps nothing. "
+                    "Send from an ArenaMemoryResource, receive sooner, or keep the sender alive "
+                    "until its receivers have what it sent"
                 ) from None
         pid, uid = peer_credentials(sock)
         if uid != os.getuid():

@@ -30,12 +30,14 @@ from __future__ import annotations
 import atexit
 import fcntl
 import json
+import multiprocessing.util
 import os
 import selectors
 import socket
 import subprocess
 import sys
 import time
+import warnings
 from typing import Any
 
 from gpu_serde.memory.broker import holdsfile, server
@@ -150,10 +152,17 @@ def _at_least_3(fd: int) -> int:
         os.close(fd)
 
 
+_handed: server.Broker | None = None  # the broker this process handed off at its exit
+
+
 def _hand_off_at_exit() -> None:
+    """The exit hook (``atexit``, and multiprocessing's exit finalizers, which run in a child of
+    every start method before it ends with ``os._exit``): once per broker."""
+    global _handed
     b = server._broker
-    if b is None:
+    if b is None or b is _handed:
         return
+    _handed = b
     try:
         keep = keep_s()
         if keep <= 0:
@@ -168,7 +177,19 @@ def _hand_off_at_exit() -> None:
         )
 
 
+def _on_broker_start() -> None:
+    """When this process's broker starts: check ``GPU_SERDE_KEEP_S`` now (a warning, not a
+    failure: sending must not fail), and hook the hand-off into multiprocessing's exit (a
+    multiprocessing child ends with ``os._exit``, which runs no ``atexit``)."""
+    try:
+        keep_s()
+    except ValueError as exc:
+        warnings.warn(f"{exc}: no keeper will serve what this process sends", stacklevel=2)
+    multiprocessing.util.Finalize(None, _hand_off_at_exit, exitpriority=0)
+
+
 atexit.register(_hand_off_at_exit)  # after the broker's: runs before it
+server.on_start.append(_on_broker_start)
 
 
 def main(state_fd: int) -> None:

@@ -492,6 +492,8 @@ class Broker:
             entry.retry = min(1.0, max(RETRY_S, 2 * entry.retry))
             entry.due = now + entry.retry
             return False
+        if entry.expired and not entry.holders:
+            return True  # never claimed: no hop's next importer to wait for
         if entry.free_since is None:
             entry.free_since = now
         if now - entry.free_since < entry.grace:
@@ -732,6 +734,10 @@ def _stop_letting_go_at_exit() -> None:
 atexit.register(_stop_letting_go_at_exit)
 
 
+#: Called (no arguments) when this process's broker starts: the keeper's exit hooks.
+on_start: list[Callable[[], None]] = []
+
+
 def broker() -> Broker:
     """This process's broker, started on first use."""
     global _broker
@@ -739,6 +745,8 @@ def broker() -> Broker:
         with _broker_lock:
             if _broker is None:
                 _broker = Broker()
+                for hook in on_start:
+                    hook()
     return _broker
 
 
