@@ -79,18 +79,25 @@ def keepers() -> set[int]:
     return found
 
 
-def send_and_exit(tier, kinds: str, **env: str) -> list[bytes]:
-    """Run an exporter that sends one buffer of each kind (comma-separated) and exits; its
-    payloads, once it has exited."""
+def run_exporter(tier, kinds: str, code: str = SEND_AND_EXIT, **env: str):
+    """Run an exporter (``code``: by default one that sends one buffer of each kind,
+    comma-separated) to its end, on the tier's GPU; what it printed, once it exited cleanly."""
     environ = dict(os.environ, CUDA_VISIBLE_DEVICES=tier.uuid, **env)
     done = subprocess.run(
-        [sys.executable, "-c", SEND_AND_EXIT, kinds, TESTS, str(tier.size)],
+        [sys.executable, "-c", code, kinds, TESTS, str(tier.size)],
         capture_output=True,
         text=True,
         env=environ,
         timeout=120,
     )
     assert exited_cleanly(done.returncode), done.stderr
+    return done
+
+
+def send_and_exit(tier, kinds: str, **env: str) -> list[bytes]:
+    """Run an exporter that sends one buffer of each kind (comma-separated) and exits; its
+    payloads, once it has exited."""
+    done = run_exporter(tier, kinds, **env)
     assert "could not be handed" not in done.stderr, done.stderr
     return [bytes.fromhex(h) for h in done.stdout.split()]
 
@@ -211,15 +218,7 @@ def test_an_exporter_whose_receivers_all_let_go_starts_no_keeper(gpu, tier, monk
         ' gpu_serde.resolve(b).close(); print("closed", flush=True)\', blob])\n',
     )
     before = keepers()
-    environ = dict(os.environ, CUDA_VISIBLE_DEVICES=tier.uuid)
-    done = subprocess.run(
-        [sys.executable, "-c", code, "arena", TESTS, str(tier.size)],
-        capture_output=True,
-        text=True,
-        env=environ,
-        timeout=120,
-    )
-    assert exited_cleanly(done.returncode), done.stderr
+    done = run_exporter(tier, "arena", code)
     assert done.stdout.split() == ["closed"]  # the receiver took it, and let go
     time.sleep(0.5)
     assert not keepers() - before
@@ -293,14 +292,6 @@ def test_a_gone_exporter_says_what_keeps_memory_and_what_does_not(gpu, tier):
 
 
 def test_an_invalid_keep_s_is_a_warning_when_the_process_first_sends(gpu, tier):
-    environ = dict(os.environ, CUDA_VISIBLE_DEVICES=tier.uuid, GPU_SERDE_KEEP_S="soon")
-    done = subprocess.run(
-        [sys.executable, "-c", SEND_AND_EXIT, "arena", TESTS, str(tier.size)],
-        capture_output=True,
-        text=True,
-        env=environ,
-        timeout=120,
-    )
-    assert exited_cleanly(done.returncode), done.stderr
-    assert "GPU_SERDE_KEEP_S='soon' is not a number of seconds" in done.stderr
-    assert "no keeper will serve what this process sends" in done.stderr  # said at the send
+    stderr = run_exporter(tier, "arena", GPU_SERDE_KEEP_S="soon").stderr
+    assert "GPU_SERDE_KEEP_S='soon' is not a number of seconds" in stderr
+    assert "no keeper will serve what this process sends" in stderr  # said at the send
