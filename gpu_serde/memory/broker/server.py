@@ -94,10 +94,7 @@ class _Hold:
     retry: float = 0.0  # seconds before the next try to let go, while a lock is still held
     needs: bytes | None = None  # the offer (descriptor token) a keeper must serve for it
     since: float = field(default_factory=time.monotonic)  # when it was last sent, or kept
-    # in a keeper: its holders' notes went with the exporter's connections, so the lock says
-    # when it was last held (let go ``grace`` s after it is first seen free)
-    watched: bool = False
-    free_since: float | None = None
+    free_since: float | None = None  # in a keeper: when its lock was first seen free
     expired: bool = False  # in a keeper: kept KEEP_S unclaimed, then given up
 
 
@@ -153,6 +150,9 @@ class Broker:
         name = sock.getsockname()  # abstract: b"\0" and the name
         self.address = "@" + (name.decode() if isinstance(name, bytes) else name)[1:]
         self._handed_off = False  # to a keeper: nothing new is held or offered here
+        # a keeper: the holders' notes went with the exporter's connections, so a hold's lock
+        # says when it was last held (it is let go ``grace`` s after it is first seen free)
+        self._adopted = kept is not None
         if kept is not None:
             self._adopt(*kept)  # before a connection is served
         self._thread = threading.Thread(target=self._serve, name="gpu_serde-broker", daemon=True)
@@ -371,7 +371,7 @@ class Broker:
             for token, entry in list(self._holds.items()):
                 if entry.due is None or entry.due > now:
                     continue
-                if entry.watched and not self._free_for_grace(entry, now):
+                if self._adopted and not self._free_for_grace(entry, now):
                     continue
                 if not holdsfile.try_lock(self._file.fd, fcntl.F_WRLCK, entry.seq):
                     # held: its note will come, or the lock will go (backing off to 1 s)
@@ -476,10 +476,7 @@ class Broker:
                 entry = _Hold(None, holdsfile.seq_of(t), bytes.fromhex(block), self._let_go, grace)
                 entry.sends, entry.unclaimed, entry.since = int(sends), bool(unclaimed), now
                 entry.needs = bytes.fromhex(needs) or None
-                # its holders' notes went with the exporter's connections (importers note their
-                # holds again when they next connect): the lock says when it is free
-                entry.watched = True
-                entry.due = None if unclaimed else now
+                entry.due = None if unclaimed else now  # claimed: free once its lock is
                 self._holds[t] = entry
                 self._slots.add(entry.seq % holdsfile.SLOTS)
 
