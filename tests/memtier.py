@@ -346,6 +346,23 @@ sys.stdin.read()
 """
 
 
+def send_arena_buffer(size: int, blobs) -> None:
+    """A multiprocessing child's job: allocate an arena buffer, fill it with the pattern, send it
+    (its pickle, in hex, on ``blobs``), and end."""
+    import pickle
+
+    from cuda.core import Device
+
+    import gpu_serde
+
+    gpu_serde.install()
+    d = Device(0)
+    d.set_current()
+    buf = gpu_serde.ArenaMemoryResource(d, 2 * size).allocate(size, stream=d.default_stream)
+    fill(buf)
+    blobs.put(pickle.dumps(buf).hex())
+
+
 def killed_exporter_payload(tier: Tier, kind: str = "pool") -> bytes:
     """A pickled buffer (``kind``: "pool" or "arena") whose exporting process was then killed."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=tier.uuid)

@@ -255,34 +255,42 @@ def test_a_buffer_returned_from_a_ray_gpu_task_that_ray_ends_arrives_with_its_by
     assert got["ok"] and got["size"] == tier.size and got["pid"] != pid
 
 
-def export_and_exit(size: int, blobs) -> None:
-    """A multiprocessing child: allocate, fill, send (put the pickle on the queue), end."""
-    from cuda.core import Device
+# A parent that starts a multiprocessing child (the start method in argv[4]) which allocates,
+# fills, sends and ends; the parent prints the pickle once the child has ended. The parent never
+# makes a CUDA context, so even a forked child can use CUDA; and each run has a forkserver of
+# its own, with this environment.
+MP_PARENT = """
+import multiprocessing, sys
+sys.path.insert(0, sys.argv[2])
+from memtier import send_arena_buffer
 
-    gpu_serde.install()
-    d = Device(0)
-    d.set_current()
-    buf = gpu_serde.ArenaMemoryResource(d, 2 * size).allocate(size, stream=d.default_stream)
-    fill(buf)
-    blobs.put(pickle.dumps(buf))
-
-
-@pytest.mark.parametrize("method", ["spawn", "forkserver"])
-def test_a_multiprocessing_child_that_sends_and_ends_hands_off_too(gpu, tier, monkeypatch, method):
-    """A multiprocessing child ends with os._exit, which runs no atexit: gpu_serde hooks the
-    hand-off into multiprocessing's own exit ("fork" is left out: CUDA is not usable in a child
-    forked from this process, which made a context)."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context(method)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", tier.uuid)
+if __name__ == "__main__":
+    ctx = multiprocessing.get_context(sys.argv[4])
     blobs = ctx.Queue()
-    process = ctx.Process(target=export_and_exit, args=(tier.size, blobs))
-    process.start()
+    child = ctx.Process(target=send_arena_buffer, args=(int(sys.argv[3]), blobs))
+    child.start()
     blob = blobs.get(timeout=120)
-    process.join(60)
-    assert exited_cleanly(process.exitcode)
-    assert check(pickle.loads(blob))["ok"]
+    child.join(60)
+    print(child.exitcode, blob, flush=True)
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver", "fork"])
+def test_a_multiprocessing_child_that_sends_and_ends_hands_off_too(gpu, tier, method):
+    """A multiprocessing child ends with os._exit, which runs no atexit: gpu_serde hooks the
+    hand-off into multiprocessing's own exit."""
+    environ = dict(os.environ, CUDA_VISIBLE_DEVICES=tier.uuid)
+    done = subprocess.run(
+        [sys.executable, "-c", MP_PARENT, "arena", TESTS, str(tier.size), method],
+        capture_output=True,
+        text=True,
+        env=environ,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr
+    code, blob = done.stdout.split()
+    assert exited_cleanly(int(code)), done.stderr
+    assert check(pickle.loads(bytes.fromhex(blob)))["ok"]
 
 
 def test_a_gone_exporter_says_what_keeps_memory_and_what_does_not(gpu, tier):
