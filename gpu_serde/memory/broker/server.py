@@ -422,9 +422,7 @@ class Broker:
                 return None
             needed = {entry.needs for _, entry in kept}
             offers = {t: self._fds[t] for t in needed if t is not None and t in self._fds}
-            now = time.monotonic()
             state = {
-                "address": self.address,
                 "sock": self._sock.fileno(),
                 "file": self._file.fd,
                 "seq": self._seq,
@@ -437,7 +435,6 @@ class Broker:
                         e.sends,
                         e.unclaimed,
                         e.grace,
-                        max(0.0, e.due - now) if e.due is not None else None,
                         (e.needs or b"").hex(),
                     ]
                     for t, e in kept
@@ -471,7 +468,7 @@ class Broker:
             self._gone = {bytes.fromhex(t) for t in state["gone"]}
             for token, fd, identity in state["offers"]:
                 self._fds[bytes.fromhex(token)] = (fds[int(fd)], bytes.fromhex(identity))
-            for token, block, sends, unclaimed, grace, _due, needs in state["holds"]:
+            for token, block, sends, unclaimed, grace, needs in state["holds"]:
                 t = bytes.fromhex(token)
                 entry = _Hold(None, holdsfile.seq_of(t), bytes.fromhex(block), self._let_go, grace)
                 entry.sends, entry.unclaimed, entry.since = int(sends), bool(unclaimed), now
