@@ -18,11 +18,22 @@ def report(**kw):
 """
 
 
-def run_child(code: str, env: dict[str, str], data: bytes = b"", timeout: float = 60) -> dict:
-    """Run ``code`` in a fresh Python with ``env``; return what it passed to ``report(...)``."""
+#: this folder: a child that imports these helpers has it on its PYTHONPATH
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_child(
+    code: str,
+    env: dict[str, str],
+    data: bytes = b"",
+    timeout: float = 60,
+    args: list[str] = [],  # noqa: B006 (never changed)
+) -> dict:
+    """Run ``code`` in a fresh Python with ``env`` (``data`` as ``data``, ``args`` after it in
+    ``sys.argv``); return what it passed to ``report(...)``."""
     script = CHILD_PRELUDE + textwrap.dedent(code)
     done = subprocess.run(
-        [sys.executable, "-c", script, base64.b64encode(data).decode()],
+        [sys.executable, "-c", script, base64.b64encode(data).decode(), *args],
         env=env,
         capture_output=True,
         text=True,

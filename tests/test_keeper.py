@@ -18,8 +18,7 @@ import pytest
 from memtier import check, exited_cleanly, fill, ray_on, wait_until
 
 import gpu_serde
-
-TESTS = os.path.dirname(os.path.abspath(__file__))
+from helpers import TESTS
 
 # An exporter that allocates, fills with the test pattern, sends (prints the pickle) and exits.
 SEND_AND_EXIT = """

@@ -1,13 +1,14 @@
 """Across processes: a child whose GPUs are numbered differently receives the same physical GPU."""
 
 import multiprocessing
+import os
 import pickle
 
 import pytest
 from cuda.core import Device
 
 import gpu_serde
-from helpers import echo_from_queue, env_without_driver, report_device, run_child
+from helpers import TESTS, echo_from_queue, env_without_driver, run_child
 
 RECEIVE = """
 d = pickle.loads(data)
@@ -43,19 +44,41 @@ def test_child_selecting_by_uuid_prefix_gets_the_right_gpu(installed, sim_env):
     assert got == {"kind": "device", "ordinal": 0, "uuid": bare(gpus[3].uuid)}
 
 
-@pytest.mark.parametrize("start", ["spawn", "forkserver"])
-def test_process_arguments_carry_the_uuid(installed, monkeypatch, start):
-    gpus = installed
-    ctx = multiprocessing.get_context(start)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", f"{gpus[2].uuid},{gpus[1].uuid}")
-    queue = ctx.Queue()
-    child = ctx.Process(target=report_device, args=(queue, Device(2)))  # an ordinal it lacks
+# The parent is a fresh Python of its own: a forkserver starts once per process and keeps the
+# environment it started with, so one started earlier (by another test) would not see the
+# CUDA_VISIBLE_DEVICES this scenario sets.
+SEND_TO_A_CHILD = """
+import multiprocessing, queue
+from cuda.core import Device
+from helpers import report_device
+
+if __name__ == "__main__":
+    gpu_serde.install()
+    device = Device(2)  # the parent sees all four
+    os.environ["CUDA_VISIBLE_DEVICES"] = data.decode()  # the child: two, in another order
+    ctx = multiprocessing.get_context(sys.argv[2])
+    inbox = ctx.Queue()
+    child = ctx.Process(target=report_device, args=(inbox, device))  # an ordinal it lacks
     child.start()
-    try:
-        assert queue.get(timeout=60) == ("ok", 0, bare(gpus[2].uuid))
-    finally:
-        child.join(30)
-    assert child.exitcode == 0
+    got = None
+    while got is None and (child.is_alive() or not inbox.empty()):
+        try:
+            got = list(inbox.get(timeout=0.5))
+        except queue.Empty:
+            pass
+    child.join(30)
+    report(got=got, exitcode=child.exitcode)
+"""
+
+
+@pytest.mark.parametrize("start", ["spawn", "forkserver"])
+def test_process_arguments_carry_the_uuid(installed, sim_env, start):
+    gpus = installed
+    visible = f"{gpus[2].uuid},{gpus[1].uuid}".encode()
+    env = sim_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTS, env.get("PYTHONPATH")]))
+    got = run_child(SEND_TO_A_CHILD, env, visible, args=[start])
+    assert got == {"got": ["ok", 0, bare(gpus[2].uuid)], "exitcode": 0}
 
 
 def test_a_queue_carries_the_uuid(installed, monkeypatch):
