@@ -191,6 +191,29 @@ def test_an_expired_payload_says_so_while_the_keeper_keeps_others(gpu, tier):
     assert check(buf)["ok"]
 
 
+def test_the_keepers_log_says_what_it_served_and_why_it_ended(gpu, tier, tmp_path):
+    log = tmp_path / "keeper.log"
+    before = keepers()
+    send_and_exit(tier, "arena", GPU_SERDE_KEEP_S="1", GPU_SERDE_KEEPER_LOG=str(log))  # unclaimed
+    (keeper,) = keepers() - before
+    assert wait_until(lambda: keeper not in keepers(), timeout=30)  # it expired after 1 s
+    lines = log.read_text().splitlines()
+    assert len(lines) == 2, lines
+    assert f"gpu_serde keeper {keeper}: serving @gpu_serde-" in lines[0]
+    assert "objects held or unclaimed: 1 (an unclaimed one is kept 1 s)" in lines[0]
+    assert lines[1].endswith(f"gpu_serde keeper {keeper}: nothing is held any more: exiting")
+    assert log.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_keeper_log_that_cannot_be_opened_is_said_and_the_keeper_serves_all_the_same(
+    gpu, tier, tmp_path
+):
+    done = run_exporter(tier, "arena", GPU_SERDE_KEEPER_LOG=str(tmp_path / "no" / "such.log"))
+    assert "GPU_SERDE_KEEPER_LOG" in done.stderr and "the keeper logs nothing" in done.stderr
+    buf = pickle.loads(bytes.fromhex(done.stdout.split()[0]))
+    assert check(buf)["ok"]
+
+
 def test_keep_s_zero_starts_no_keeper(gpu, tier):
     before = keepers()
     (blob,) = send_and_exit(tier, "arena", GPU_SERDE_KEEP_S="0")

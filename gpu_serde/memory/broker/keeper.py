@@ -23,6 +23,9 @@ Importers reconnect to it as to a broker that hung up, and note their holds agai
 the grace period), and keeps an unclaimed one :data:`KEEP_S` seconds at most. When it holds
 nothing, it closes everything and exits: the memory is freed once the importers' own mappings go.
 It never touches CUDA: a descriptor is all it holds.
+
+**Its log.** Its stderr is the file ``GPU_SERDE_KEEPER_LOG`` names (:data:`LOG_VARIABLE`), opened
+by the exporter to append; unset, nowhere. It says there when it started and why it ended.
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ from gpu_serde.memory.broker import holdsfile, server
 KEEP_S = 120.0
 #: Seconds an exiting process waits for its keeper to take over.
 START_S = 15.0
+#: The environment variable naming a file the keeper appends what it does to (its start, its
+#: end, and any error of its own); unset, the keeper says nothing.
+LOG_VARIABLE = "GPU_SERDE_KEEPER_LOG"
 _POLL_S = 0.5
 
 
@@ -107,6 +113,7 @@ def hand_off(b: server.Broker, keep: float) -> int | None:
     # write can block on
     moved: dict[int, int] = {}
     state_fd = -1
+    log_fd: int | None = None
     try:
         for fd in kept.fds:
             moved[fd] = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
@@ -114,13 +121,14 @@ def hand_off(b: server.Broker, keep: float) -> int | None:
         state_fd = os.memfd_create("gpu_serde-keeper-state", os.MFD_CLOEXEC)
         os.write(state_fd, json.dumps(state).encode())
         state_fd = _at_least_3(state_fd)
+        log_fd = _open_log()
         proc = subprocess.Popen(
             [sys.executable, "-c", _PROGRAM, _package_root(), str(state_fd), __name__, b.address],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             # nothing of this process's: a parent that reads its output until the end must not
             # wait for the keeper's
-            stderr=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL if log_fd is None else log_fd,
             pass_fds=[state_fd, *moved.values()],
             start_new_session=True,
             close_fds=True,
@@ -129,6 +137,8 @@ def hand_off(b: server.Broker, keep: float) -> int | None:
         for fd in [*moved.values(), state_fd]:
             if fd >= 0:
                 os.close(fd)
+        if log_fd is not None:
+            os.close(log_fd)
     assert proc.stdout is not None
     try:
         with selectors.DefaultSelector() as sel:  # not select(): descriptors past 1024
@@ -140,6 +150,26 @@ def hand_off(b: server.Broker, keep: float) -> int | None:
     if not line.startswith(b"keeping "):
         raise RuntimeError("the keeper process did not start")
     return int(line.split()[1])
+
+
+def _open_log() -> int | None:
+    """A descriptor of the file ``GPU_SERDE_KEEPER_LOG`` names, opened to append (made, readable
+    by this user only, if missing); None when it is unset or cannot be opened (said on stderr:
+    the keeper starts all the same)."""
+    path = os.environ.get(LOG_VARIABLE)
+    if not path:
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        print(f"gpu_serde: {LOG_VARIABLE}: {exc}; the keeper logs nothing", file=sys.stderr)
+        return None
+
+
+def _say(what: str) -> None:
+    """One line of the keeper's log (its stderr: ``GPU_SERDE_KEEPER_LOG``, else nowhere)."""
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    print(f"{stamp} gpu_serde keeper {os.getpid()}: {what}", file=sys.stderr, flush=True)
 
 
 def _at_least_3(fd: int) -> int:
@@ -207,7 +237,12 @@ def main(state_fd: int) -> None:
         sys.stdout.flush()
         os.dup2(null.fileno(), 1)
     keep = float(state["keep"])
+    _say(
+        f"serving {b.address} for the exporter that exited; objects held or unclaimed: "
+        f"{b.held()} (an unclaimed one is kept {keep:g} s)"
+    )
     while b.held() and b.alive():
         time.sleep(_POLL_S)
         b.expire_unclaimed(keep)
+    _say("nothing is held any more: exiting" if b.alive() else "its release thread ended: exiting")
     b.close()
