@@ -205,10 +205,18 @@ def test_the_keepers_log_says_what_it_served_and_why_it_ended(gpu, tier, tmp_pat
     assert log.stat().st_mode & 0o777 == 0o600
 
 
-def test_a_keeper_log_that_cannot_be_opened_is_said_and_the_keeper_serves_all_the_same(
-    gpu, tier, tmp_path
+@pytest.mark.parametrize("log", ["missing folder", "folder", "fifo"])
+def test_a_keeper_log_that_cannot_be_used_is_said_and_the_keeper_serves_all_the_same(
+    gpu, tier, tmp_path, log
 ):
-    done = run_exporter(tier, "arena", GPU_SERDE_KEEPER_LOG=str(tmp_path / "no" / "such.log"))
+    path = tmp_path / "keeper.log"
+    if log == "missing folder":
+        path = tmp_path / "no" / "keeper.log"
+    elif log == "folder":
+        path.mkdir()
+    else:
+        os.mkfifo(path)  # no reader will come: opening it must not wait for one
+    done = run_exporter(tier, "arena", GPU_SERDE_KEEPER_LOG=str(path))
     assert "GPU_SERDE_KEEPER_LOG" in done.stderr and "the keeper logs nothing" in done.stderr
     buf = pickle.loads(bytes.fromhex(done.stdout.split()[0]))
     assert check(buf)["ok"]

@@ -31,12 +31,14 @@ by the exporter to append; unset, nowhere. It says there when it started and why
 from __future__ import annotations
 
 import atexit
+import contextlib
 import fcntl
 import json
 import multiprocessing.util
 import os
 import selectors
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -153,23 +155,36 @@ def hand_off(b: server.Broker, keep: float) -> int | None:
 
 
 def _open_log() -> int | None:
-    """A descriptor of the file ``GPU_SERDE_KEEPER_LOG`` names, opened to append (made, readable
-    by this user only, if missing); None when it is unset or cannot be opened (said on stderr:
-    the keeper starts all the same)."""
+    """A descriptor of the regular file ``GPU_SERDE_KEEPER_LOG`` names, opened to append (made,
+    readable by this user only, if missing); None when it is unset or cannot be used (said on
+    stderr: the keeper starts all the same). Nothing here can block: a FIFO, a socket or a
+    device is refused (a reader that never comes, or one waiting for the end of the exporter's
+    output, would wait for the keeper's)."""
     path = os.environ.get(LOG_VARIABLE)
     if not path:
         return None
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK
     try:
-        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = os.open(path, flags, 0o600)
     except OSError as exc:
         print(f"gpu_serde: {LOG_VARIABLE}: {exc}; the keeper logs nothing", file=sys.stderr)
         return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        print(
+            f"gpu_serde: {LOG_VARIABLE}={path!r} is not a regular file; the keeper logs nothing",
+            file=sys.stderr,
+        )
+        return None
+    return _at_least_3(fd)  # what this process left at 0 to 2 is not the keeper's
 
 
 def _say(what: str) -> None:
-    """One line of the keeper's log (its stderr: ``GPU_SERDE_KEEPER_LOG``, else nowhere)."""
+    """One line of the keeper's log (its stderr: ``GPU_SERDE_KEEPER_LOG``, else nowhere); a log
+    that cannot be written (a full disk) loses the line, never the keeper."""
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    print(f"{stamp} gpu_serde keeper {os.getpid()}: {what}", file=sys.stderr, flush=True)
+    with contextlib.suppress(OSError, ValueError):
+        print(f"{stamp} gpu_serde keeper {os.getpid()}: {what}", file=sys.stderr, flush=True)
 
 
 def _at_least_3(fd: int) -> int:
