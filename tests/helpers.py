@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Sequence
 
 CHILD_PRELUDE = """
 import base64, json, os, pickle, sys
@@ -27,7 +28,7 @@ def run_child(
     env: dict[str, str],
     data: bytes = b"",
     timeout: float = 60,
-    args: list[str] = [],  # noqa: B006 (never changed)
+    args: Sequence[str] = (),
 ) -> dict:
     """Run ``code`` in a fresh Python with ``env`` (``data`` as ``data``, ``args`` after it in
     ``sys.argv``); return what it passed to ``report(...)``."""

@@ -13,6 +13,7 @@ import pickle
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from memtier import check, exited_cleanly, fill, ray_on, wait_until
@@ -64,14 +65,22 @@ def gpu(tier, monkeypatch):
     gpu_serde.uninstall()
 
 
+# Every exporter these tests start carries this mark in its environment, and so does its
+# keeper: keepers() counts this test process's only (other test runs on the host start theirs).
+MARK = f"GPU_SERDE_TEST_KEEPERS_OF={os.getpid()}-{time.monotonic_ns()}"
+
+
 def keepers() -> set[int]:
-    """The pids of this host's keeper processes."""
+    """The pids of the keeper processes of the exporters this test process started."""
     found = set()
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if b"gpu_serde.memory.broker.keeper" in f.read():
+                    if b"gpu_serde.memory.broker.keeper" not in f.read():
+                        continue
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if MARK.encode() in f.read().split(b"\0"):
                         found.add(int(pid))
             except OSError:
                 continue
@@ -81,7 +90,8 @@ def keepers() -> set[int]:
 def run_exporter(tier, kinds: str, code: str = SEND_AND_EXIT, **env: str):
     """Run an exporter (``code``: by default one that sends one buffer of each kind,
     comma-separated) to its end, on the tier's GPU; what it printed, once it exited cleanly."""
-    environ = dict(os.environ, CUDA_VISIBLE_DEVICES=tier.uuid, **env)
+    name, _, value = MARK.partition("=")
+    environ = dict(os.environ, CUDA_VISIBLE_DEVICES=tier.uuid, **{name: value}, **env)
     done = subprocess.run(
         [sys.executable, "-c", code, kinds, TESTS, str(tier.size)],
         capture_output=True,
@@ -193,33 +203,82 @@ def test_an_expired_payload_says_so_while_the_keeper_keeps_others(gpu, tier):
 
 def test_the_keepers_log_says_what_it_served_and_why_it_ended(gpu, tier, tmp_path):
     log = tmp_path / "keeper.log"
+    log.write_text("an earlier line\n")  # appended to, never truncated
     before = keepers()
     send_and_exit(tier, "arena", GPU_SERDE_KEEP_S="1", GPU_SERDE_KEEPER_LOG=str(log))  # unclaimed
     (keeper,) = keepers() - before
     assert wait_until(lambda: keeper not in keepers(), timeout=30)  # it expired after 1 s
-    lines = log.read_text().splitlines()
-    assert len(lines) == 2, lines
-    assert f"gpu_serde keeper {keeper}: serving @gpu_serde-" in lines[0]
-    assert "objects held or unclaimed: 1 (an unclaimed one is kept 1 s)" in lines[0]
-    assert lines[1].endswith(f"gpu_serde keeper {keeper}: nothing is held any more: exiting")
+    text = log.read_text()
+    assert text.startswith("an earlier line\n")
+    said = [line for line in text.splitlines() if f"gpu_serde keeper {keeper}: " in line]
+    assert len(said) == 2, text
+    assert f"gpu_serde keeper {keeper}: serving @gpu_serde-" in said[0]
+    assert "objects held or unclaimed: 1 (an unclaimed one is kept 1 s)" in said[0]
+    assert said[1].endswith(f"gpu_serde keeper {keeper}: nothing is held any more: exiting")
+
+
+def test_a_keeper_log_the_exporter_creates_is_for_its_user_only(gpu, tier, tmp_path):
+    log = tmp_path / "keeper.log"
+    (blob,) = send_and_exit(tier, "arena", GPU_SERDE_KEEPER_LOG=str(log))
     assert log.stat().st_mode & 0o777 == 0o600
+    assert check(pickle.loads(blob))["ok"]
 
 
-@pytest.mark.parametrize("log", ["missing folder", "folder", "fifo"])
+@pytest.mark.parametrize(
+    "log", ["missing folder", "folder", "fifo", "fifo with a reader", "device"]
+)
 def test_a_keeper_log_that_cannot_be_used_is_said_and_the_keeper_serves_all_the_same(
     gpu, tier, tmp_path, log
 ):
     path = tmp_path / "keeper.log"
+    reader = None
     if log == "missing folder":
         path = tmp_path / "no" / "keeper.log"
     elif log == "folder":
         path.mkdir()
-    else:
+    elif log.startswith("fifo"):
         os.mkfifo(path)  # no reader will come: opening it must not wait for one
-    done = run_exporter(tier, "arena", GPU_SERDE_KEEPER_LOG=str(path))
+        if log == "fifo with a reader":
+            reader = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    else:
+        path = Path(os.devnull)
+    try:
+        done = run_exporter(tier, "arena", GPU_SERDE_KEEPER_LOG=str(path))
+    finally:
+        if reader is not None:
+            os.close(reader)
     assert "GPU_SERDE_KEEPER_LOG" in done.stderr and "the keeper logs nothing" in done.stderr
+    if log not in ("missing folder", "folder"):
+        assert "is not a regular file" in done.stderr
     buf = pickle.loads(bytes.fromhex(done.stdout.split()[0]))
     assert check(buf)["ok"]
+
+
+def test_an_exporter_whose_stderr_is_gone_still_hands_off_with_a_bad_keeper_log(gpu, tier):
+    """Nothing said at exit can stop the hand-off: here the exporter's stderr is a pipe that no
+    one reads any more, and its keeper log cannot be opened."""
+    name, _, value = MARK.partition("=")
+    environ = dict(
+        os.environ,
+        CUDA_VISIBLE_DEVICES=tier.uuid,
+        GPU_SERDE_KEEPER_LOG="/nonexistent/keeper.log",
+        **{name: value},
+    )
+    r, w = os.pipe()
+    os.close(r)  # a write to w fails (EPIPE; SIGPIPE is ignored in Python)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", SEND_AND_EXIT, "arena", TESTS, str(tier.size)],
+            stdout=subprocess.PIPE,
+            stderr=w,
+            text=True,
+            env=environ,
+            timeout=120,
+        )
+    finally:
+        os.close(w)
+    assert exited_cleanly(done.returncode)
+    assert check(pickle.loads(bytes.fromhex(done.stdout.split()[0])))["ok"]
 
 
 def test_keep_s_zero_starts_no_keeper(gpu, tier):

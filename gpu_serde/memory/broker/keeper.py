@@ -24,8 +24,9 @@ the grace period), and keeps an unclaimed one :data:`KEEP_S` seconds at most. Wh
 nothing, it closes everything and exits: the memory is freed once the importers' own mappings go.
 It never touches CUDA: a descriptor is all it holds.
 
-**Its log.** Its stderr is the file ``GPU_SERDE_KEEPER_LOG`` names (:data:`LOG_VARIABLE`), opened
-by the exporter to append; unset, nowhere. It says there when it started and why it ended.
+**Its log.** Its stderr is the regular file ``GPU_SERDE_KEEPER_LOG`` names (:data:`LOG_VARIABLE`),
+opened by the exporter to append; unset or unusable, nowhere. It says there when it started and
+why it ended, a line in one write.
 """
 
 from __future__ import annotations
@@ -155,36 +156,49 @@ def hand_off(b: server.Broker, keep: float) -> int | None:
 
 
 def _open_log() -> int | None:
-    """A descriptor of the regular file ``GPU_SERDE_KEEPER_LOG`` names, opened to append (made,
-    readable by this user only, if missing); None when it is unset or cannot be used (said on
-    stderr: the keeper starts all the same). Nothing here can block: a FIFO, a socket or a
-    device is refused (a reader that never comes, or one waiting for the end of the exporter's
-    output, would wait for the keeper's)."""
+    """A descriptor of the regular file ``GPU_SERDE_KEEPER_LOG`` names, opened to append (created
+    with mode 0600 if missing); None when it is unset or cannot be used (said on stderr, as far
+    as stderr takes it: the keeper starts all the same). Nothing here can block or raise: a
+    FIFO, a socket or a device is refused before it is opened (a reader that never comes, or one
+    waiting for the end of the exporter's output, would wait for the keeper's)."""
     path = os.environ.get(LOG_VARIABLE)
     if not path:
         return None
-    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK
+    fd = -1
     try:
+        with contextlib.suppress(FileNotFoundError):  # a new file is made below
+            if not stat.S_ISREG(os.stat(path).st_mode):
+                raise OSError(f"{path!r} is not a regular file")
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK
         fd = os.open(path, flags, 0o600)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced since the stat
+            raise OSError(f"{path!r} is not a regular file")
+        os.set_blocking(fd, True)
+        # at 3 or more: what this process left at 0 to 2 is not the keeper's
+        opened = fd if fd >= 3 else fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
+        if opened == fd:
+            fd = -1  # returned, not closed
+        return opened
     except OSError as exc:
-        print(f"gpu_serde: {LOG_VARIABLE}: {exc}; the keeper logs nothing", file=sys.stderr)
+        _tell(f"gpu_serde: {LOG_VARIABLE}: {exc}; the keeper logs nothing")
         return None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        print(
-            f"gpu_serde: {LOG_VARIABLE}={path!r} is not a regular file; the keeper logs nothing",
-            file=sys.stderr,
-        )
-        return None
-    return _at_least_3(fd)  # what this process left at 0 to 2 is not the keeper's
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _tell(line: str) -> None:
+    """Say ``line`` on this exiting process's stderr, if it takes it (a closed pipe does not)."""
+    with contextlib.suppress(Exception):
+        os.write(2, (line + "\n").encode(errors="backslashreplace"))
 
 
 def _say(what: str) -> None:
-    """One line of the keeper's log (its stderr: ``GPU_SERDE_KEEPER_LOG``, else nowhere); a log
-    that cannot be written (a full disk) loses the line, never the keeper."""
+    """One line of the keeper's log (its stderr: ``GPU_SERDE_KEEPER_LOG``, else nowhere), written
+    at once (keepers that share a log do not mix their lines); a log that cannot be written (a
+    full disk) loses the line, never the keeper."""
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    with contextlib.suppress(OSError, ValueError):
-        print(f"{stamp} gpu_serde keeper {os.getpid()}: {what}", file=sys.stderr, flush=True)
+    _tell(f"{stamp} gpu_serde keeper {os.getpid()}: {what}")
 
 
 def _at_least_3(fd: int) -> int:
