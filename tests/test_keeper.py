@@ -67,7 +67,8 @@ def gpu(tier, monkeypatch):
 
 # Every exporter these tests start carries this mark in its environment, and so does its
 # keeper: keepers() counts this test process's only (other test runs on the host start theirs).
-MARK = f"GPU_SERDE_TEST_KEEPERS_OF={os.getpid()}-{time.monotonic_ns()}"
+MARK = {"GPU_SERDE_TEST_KEEPERS_OF": f"{os.getpid()}-{time.monotonic_ns()}"}
+_MARKED = "".join(f"{k}={v}" for k, v in MARK.items()).encode()
 
 
 def keepers() -> set[int]:
@@ -80,7 +81,7 @@ def keepers() -> set[int]:
                     if b"gpu_serde.memory.broker.keeper" not in f.read():
                         continue
                 with open(f"/proc/{pid}/environ", "rb") as f:
-                    if MARK.encode() in f.read().split(b"\0"):
+                    if _MARKED in f.read().split(b"\0"):
                         found.add(int(pid))
             except OSError:
                 continue
@@ -90,8 +91,7 @@ def keepers() -> set[int]:
 def run_exporter(tier, kinds: str, code: str = SEND_AND_EXIT, **env: str):
     """Run an exporter (``code``: by default one that sends one buffer of each kind,
     comma-separated) to its end, on the tier's GPU; what it printed, once it exited cleanly."""
-    name, _, value = MARK.partition("=")
-    environ = dict(os.environ, CUDA_VISIBLE_DEVICES=tier.uuid, **{name: value}, **env)
+    environ = dict(os.environ, CUDA_VISIBLE_DEVICES=tier.uuid, **MARK, **env)
     done = subprocess.run(
         [sys.executable, "-c", code, kinds, TESTS, str(tier.size)],
         capture_output=True,
@@ -257,12 +257,11 @@ def test_a_keeper_log_that_cannot_be_used_is_said_and_the_keeper_serves_all_the_
 def test_an_exporter_whose_stderr_is_gone_still_hands_off_with_a_bad_keeper_log(gpu, tier):
     """Nothing said at exit can stop the hand-off: here the exporter's stderr is a pipe that no
     one reads any more, and its keeper log cannot be opened."""
-    name, _, value = MARK.partition("=")
     environ = dict(
         os.environ,
         CUDA_VISIBLE_DEVICES=tier.uuid,
         GPU_SERDE_KEEPER_LOG="/nonexistent/keeper.log",
-        **{name: value},
+        **MARK,
     )
     r, w = os.pipe()
     os.close(r)  # a write to w fails (EPIPE; SIGPIPE is ignored in Python)

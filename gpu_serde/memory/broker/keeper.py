@@ -229,10 +229,9 @@ def _hand_off_at_exit() -> None:
         b.stop_letting_go()
         hand_off(b, keep)
     except Exception as exc:  # said, never raised: the process is ending
-        print(
+        _tell(
             f"gpu_serde: the memory this process sent could not be handed to a keeper ({exc}); "
-            "receivers that have not yet taken it get ExporterGoneError",
-            file=sys.stderr,
+            "receivers that have not yet taken it get ExporterGoneError"
         )
 
 
