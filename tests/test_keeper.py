@@ -225,7 +225,7 @@ def test_a_keeper_log_the_exporter_creates_is_for_its_user_only(gpu, tier, tmp_p
 
 
 @pytest.mark.parametrize(
-    "log", ["missing folder", "folder", "fifo", "fifo with a reader", "device"]
+    "log", ["missing folder", "folder", "fifo", "fifo with a reader", "device", "relative", "home"]
 )
 def test_a_keeper_log_that_cannot_be_used_is_said_and_the_keeper_serves_all_the_same(
     gpu, tier, tmp_path, log
@@ -240,16 +240,24 @@ def test_a_keeper_log_that_cannot_be_used_is_said_and_the_keeper_serves_all_the_
         os.mkfifo(path)  # no reader will come: opening it must not wait for one
         if log == "fifo with a reader":
             reader = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    else:
+    elif log == "device":
         path = Path(os.devnull)
+    else:  # found from the exporter's folder, wherever that is (~ is the shell's, not ours)
+        path = Path("keeper.log" if log == "relative" else "~/keeper.log")
     try:
         done = run_exporter(tier, "arena", GPU_SERDE_KEEPER_LOG=str(path))
     finally:
         if reader is not None:
             os.close(reader)
-    assert "GPU_SERDE_KEEPER_LOG" in done.stderr and "the keeper logs nothing" in done.stderr
-    if log not in ("missing folder", "folder"):
-        assert "is not a regular file" in done.stderr
+    why = {
+        "missing folder": "does not exist",
+        "relative": "is not an absolute path",
+        "home": "is not an absolute path (~ is not expanded",
+    }.get(log, "is not a regular file")
+    # said when the process first sent memory (a warning), and again at its exit
+    assert "UserWarning: GPU_SERDE_KEEPER_LOG: " in done.stderr
+    assert "gpu_serde: GPU_SERDE_KEEPER_LOG: " in done.stderr and why in done.stderr
+    assert "the keeper logs nothing: name a regular file" in done.stderr
     buf = pickle.loads(bytes.fromhex(done.stdout.split()[0]))
     assert check(buf)["ok"]
 

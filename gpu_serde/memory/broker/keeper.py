@@ -155,6 +155,32 @@ def hand_off(b: server.Broker, keep: float) -> int | None:
     return int(line.split()[1])
 
 
+#: What a user does about a keeper log that cannot be used.
+_LOG_FIX = (
+    "the keeper logs nothing: name a regular file on a local disk by an absolute path, in a "
+    "folder that exists"
+)
+
+
+def _log_problem(path: str) -> str | None:
+    """Why ``path`` (``GPU_SERDE_KEEPER_LOG``) cannot be the keeper's log, or None when it can be
+    (as far as a look without opening it tells). Never raises."""
+    if not os.path.isabs(path):
+        home = "~ is not expanded; " if path.startswith("~") else ""
+        with contextlib.suppress(OSError):
+            home += f"it would be found from {os.getcwd()!r}, this process's folder"
+        return f"{path!r} is not an absolute path ({home.removesuffix('; ')})"
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return f"{path!r} is not a regular file"
+    except FileNotFoundError:
+        if not os.path.isdir(os.path.dirname(path)):
+            return f"the folder of {path!r} does not exist"
+    except OSError as exc:
+        return str(exc)
+    return None
+
+
 def _open_log() -> int | None:
     """A descriptor of the regular file ``GPU_SERDE_KEEPER_LOG`` names, opened to append (created
     with mode 0600 if missing); None when it is unset or cannot be used (said on stderr, as far
@@ -166,12 +192,12 @@ def _open_log() -> int | None:
         return None
     fd = -1
     try:
-        with contextlib.suppress(FileNotFoundError):  # a new file is made below
-            if not stat.S_ISREG(os.stat(path).st_mode):
-                raise OSError(f"{path!r} is not a regular file")
+        problem = _log_problem(path)
+        if problem is not None:
+            raise OSError(problem)
         flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK
         fd = os.open(path, flags, 0o600)
-        if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced since the stat
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced since the look
             raise OSError(f"{path!r} is not a regular file")
         os.set_blocking(fd, True)
         # at 3 or more: what this process left at 0 to 2 is not the keeper's
@@ -180,7 +206,7 @@ def _open_log() -> int | None:
             fd = -1  # returned, not closed
         return opened
     except OSError as exc:
-        _tell(f"gpu_serde: {LOG_VARIABLE}: {exc}; the keeper logs nothing")
+        _tell(f"gpu_serde: {LOG_VARIABLE}: {exc}; {_LOG_FIX}")
         return None
     finally:
         if fd >= 0:
@@ -236,13 +262,18 @@ def _hand_off_at_exit() -> None:
 
 
 def _on_broker_start() -> None:
-    """When this process's broker starts: check ``GPU_SERDE_KEEP_S`` now (a warning, not a
-    failure: sending must not fail), and hook the hand-off into multiprocessing's exit (a
-    multiprocessing child ends with ``os._exit``, which runs no ``atexit``)."""
+    """When this process's broker starts: check ``GPU_SERDE_KEEP_S`` and
+    ``GPU_SERDE_KEEPER_LOG`` now (warnings, not failures: sending must not fail), and hook the
+    hand-off into multiprocessing's exit (a multiprocessing child ends with ``os._exit``, which
+    runs no ``atexit``)."""
     try:
         keep_s()
     except ValueError as exc:
         warnings.warn(f"{exc}: no keeper will serve what this process sends", stacklevel=2)
+    log = os.environ.get(LOG_VARIABLE)
+    problem = _log_problem(log) if log else None
+    if problem is not None:
+        warnings.warn(f"{LOG_VARIABLE}: {problem}; {_LOG_FIX}", stacklevel=2)
     multiprocessing.util.Finalize(None, _hand_off_at_exit, exitpriority=0)
 
 
