@@ -188,6 +188,23 @@ def test_shared_tensors_reach_a_child_without_a_copy_with_their_layout(gpu, monk
         assert got[name]["device"] == 0
 
 
+@pytest.mark.parametrize("where", ["a side stream", "the default stream"])
+def test_work_queued_before_sending_is_done_before_the_receiver_reads(gpu, monkeypatch, where):
+    ordinal, uuid = gpu
+    x = gpu_serde.tensors.empty((1 << 20,), torch.float32, ordinal)
+    x.zero_()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream(ordinal) if where == "a side stream" else None
+    with child(monkeypatch, uuid) as run:
+        run(describe, gpu_serde.share(x))  # the region is mapped: the next read is the hot path
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(1 << 30)  # about half a second of GPU time before the write
+            x.fill_(7.0)
+            blob = pickle.dumps(gpu_serde.share(x))  # sent while the write is still queued
+        got = run(loads_and_describe, blob)
+    assert pickle.loads(got["values"]).equal(torch.full((1 << 20,), 7.0))
+
+
 def test_a_tensor_outside_gpu_serde_memory_is_copied_once_and_said(gpu, monkeypatch):
     ordinal, uuid = gpu
     x = cases(torch, torch.device("cuda", ordinal))["slice with steps"]

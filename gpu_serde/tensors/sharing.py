@@ -61,11 +61,21 @@ def library_of(x: object) -> str | None:
     return top if top in _MODULES and top in sys.modules else None
 
 
+_loaded: dict[str, Any] = {}  # library -> gpu_serde's module for it, once imported
+
+
 def module(library: str) -> Any:
     """gpu_serde's module for ``library`` (it imports the library: call it only once the library
-    is in use)."""
-    need(library)
-    return importlib.import_module(_MODULES[library])
+    is in use).
+
+    Raises:
+        HandoffError: the library is not installed here.
+    """
+    m = _loaded.get(library)
+    if m is None:
+        need(library)
+        m = _loaded[library] = importlib.import_module(_MODULES[library])
+    return m
 
 
 # ---- the blocks this process allocated for tensors ----
@@ -141,22 +151,37 @@ def _from_own_arenas(ordinal: int, nbytes: int) -> Buffer:
     return arena.allocate(nbytes)
 
 
+#: The legacy default stream's handle: what torch and CuPy call stream 0, and cuda.core's
+#: default stream (unless cuda-bindings runs with per-thread default streams).
+LEGACY_STREAM = int(driver.CU_STREAM_LEGACY)
+_events = threading.local()  # per thread: ordinal -> the event follow() records (kept for good)
+
+
+def raw_stream(handle: int) -> int:
+    """``handle`` as the driver reads it whatever mode cuda-bindings runs in: torch's and CuPy's
+    0 (their null stream, the legacy default stream) as :data:`LEGACY_STREAM`."""
+    return LEGACY_STREAM if handle == 0 else handle
+
+
 def follow(ordinal: int, stream: int, block_stream: int) -> None:
     """Make ``block_stream`` wait for the work queued on ``stream`` so far (both raw handles on
-    device ``ordinal``).
+    device ``ordinal``; 0 is the legacy default stream). Nothing to do when they are the same
+    stream; else one event per thread and device, recorded again each time (a wait already
+    queued keeps the recording it was queued after).
 
     Raises:
         HandoffError: the driver refused.
     """
+    stream, block_stream = raw_stream(stream), raw_stream(block_stream)
     if stream == block_stream:
         return
     with _driver.context(ordinal):
-        event = _driver.plain_event(ordinal)
-        try:
-            _driver.check("cuEventRecord", driver.cuEventRecord(event, stream))
-            _driver.check("cuStreamWaitEvent", driver.cuStreamWaitEvent(block_stream, event, 0))
-        finally:
-            driver.cuEventDestroy(event)  # released once the wait has used it
+        events = _events.__dict__.setdefault("by_ordinal", {})
+        event = events.get(ordinal)
+        if event is None:
+            event = events[ordinal] = _driver.plain_event(ordinal)
+        _driver.check("cuEventRecord", driver.cuEventRecord(event, stream))
+        _driver.check("cuStreamWaitEvent", driver.cuStreamWaitEvent(block_stream, event, 0))
 
 
 # ---- the sender's side ----
@@ -240,7 +265,7 @@ def share(x: Any) -> Shared:
     buf = allocate(ordinal, skip + nbytes)  # the offset is kept: the block reaches to the last
     stream = default_stream(ordinal)
     if nbytes:
-        current = m.current_stream(ordinal)
+        current = raw_stream(m.current_stream(ordinal))
         with _driver.context(ordinal):
             _driver.check(
                 "cuMemcpyDtoDAsync",
@@ -298,11 +323,13 @@ def rebuild_shared(payload: object) -> Any:
             (``OtherHostError``, ``ExporterGoneError``, ``TokenRefusedError``).
     """
     p = decode_tshr(payload)
-    region = p.block.region  # the host and the GPU checked before anything is mapped
-    lifetime.local_ordinal(region.device, region.boot, f"a shared {NAMES[p.meta.library]}")
+    what = f"a shared {NAMES[p.meta.library]}"
+    region = p.block.region
+    if not arena_importer.is_attached(region):  # the host and the GPU, before anything else
+        lifetime.local_ordinal(region.device, region.boot, what)
     m = module(p.meta.library)
     block = payload[2]  # type: ignore[index]  # decode checked: a tuple
-    buf = arena_importer.rebuild_buffer(block)
+    buf = arena_importer.receive(p.block, block, what)
     t = m.over(buf, p.meta, int(buf.device_id))
     with contextlib.suppress(TypeError):  # not weakly referenceable: sent on by value
         lifetime.forward_as(t, (wire.tshr, (payload,)))  # sent on, it is the same memory

@@ -22,7 +22,7 @@ from cuda.core import Buffer, Device, MemoryResource, Stream
 
 from gpu_serde import wire
 from gpu_serde.errors import HandoffError, TokenRefusedError
-from gpu_serde.format.memory import RegionPayload, decode_abuf, decode_region
+from gpu_serde.format.memory import AbufPayload, RegionPayload, decode_abuf, decode_region
 from gpu_serde.memory import broker as _broker
 from gpu_serde.memory import driver as _driver
 from gpu_serde.memory import lifetime
@@ -65,9 +65,12 @@ _lock = threading.Lock()
 maps = 0  #: how many regions this process has mapped (each once): tests read it
 
 
-def attach(p: RegionPayload, wire_payload: tuple[Any, ...]) -> Region:
+ARENA_MEMORY = "GPU memory (an ArenaMemoryResource)"  #: what an arena's memory is called
+
+
+def attach(p: RegionPayload, wire_payload: tuple[Any, ...], what: str = ARENA_MEMORY) -> Region:
     """The region that ``p`` names, mapped in this process: the first time per exporter and
-    descriptor, then from the cache.
+    descriptor, then from the cache. ``what`` names the memory in the errors of a first map.
 
     Raises:
         OtherHostError, DeviceNotVisibleError, ExporterGoneError: as for a pool.
@@ -83,7 +86,7 @@ def attach(p: RegionPayload, wire_payload: tuple[Any, ...]) -> Region:
         with _lock:
             region = _attached.get(key)
             if region is None:
-                region = _attached[key] = _map_region(p, wire_payload)
+                region = _attached[key] = _map_region(p, wire_payload, what)
                 maps += 1
     if region.wire != wire_payload:
         raise HandoffError(
@@ -93,8 +96,13 @@ def attach(p: RegionPayload, wire_payload: tuple[Any, ...]) -> Region:
     return region
 
 
-def _map_region(p: RegionPayload, wire_payload: tuple[Any, ...]) -> Region:
-    ordinal = lifetime.local_ordinal(p.device, p.boot, "GPU memory (an ArenaMemoryResource)")
+def is_attached(p: RegionPayload) -> bool:
+    """True when the region ``p`` names is mapped here already (its host and GPU checked)."""
+    return (p.address, p.token) in _attached
+
+
+def _map_region(p: RegionPayload, wire_payload: tuple[Any, ...], what: str) -> Region:
+    ordinal = lifetime.local_ordinal(p.device, p.boot, what)
     exited = _broker.exited(p.address)  # before anything is mapped: it may raise
     fd = _broker.fetch(p.address, p.token, p.identity)
     try:
@@ -216,8 +224,10 @@ def _home(p: RegionPayload) -> ArenaMemoryResource | None:
     return mr if mr is not None and _broker.is_own(p.address) else None
 
 
-def _imported_arena(p: RegionPayload, wire_payload: tuple[Any, ...]) -> ImportedArena:
-    region = attach(p, wire_payload)
+def _imported_arena(
+    p: RegionPayload, wire_payload: tuple[Any, ...], what: str = ARENA_MEMORY
+) -> ImportedArena:
+    region = attach(p, wire_payload, what)
     key = (p.address, p.token)
     mr = _imported.get(key)
     if mr is None:
@@ -249,7 +259,16 @@ def rebuild_buffer(payload: object) -> Buffer:
             for another block.
         HandoffError: as :func:`attach`, or the driver refused.
     """
-    p = decode_abuf(payload)
+    return receive(decode_abuf(payload), payload)  # type: ignore[arg-type]  # decode checked
+
+
+def receive(p: AbufPayload, payload: tuple[Any, ...], what: str = ARENA_MEMORY) -> Buffer:
+    """The buffer that ``p`` (``payload`` decoded) names: :func:`rebuild_buffer` once decoded;
+    ``what`` names the memory in the errors of a region's first map.
+
+    Raises:
+        As :func:`rebuild_buffer`.
+    """
     if _home(p.region) is not None:
         held = _broker.broker().peek(p.hold, p.block)
         if held is None:
@@ -258,7 +277,7 @@ def rebuild_buffer(payload: object) -> Buffer:
                 "send it again"
             )
         return held  # the original buffer
-    arena = _imported_arena(p.region, payload[1])  # type: ignore[index]  # decode checked
+    arena = _imported_arena(p.region, payload[1], what)
     region = arena._region
     with Import(p.region.address, p.hold, p.block, region.ordinal) as hold:
         try:
