@@ -62,7 +62,9 @@ class Exporter:
             self.mr = DeviceMemoryResource(self.dev, options)
         else:
             self.mr = ArenaMemoryResource(self.dev, 4 * tier.size)
-        self.fds, self.served = open_fds(), broker_descriptors()
+        # the broker first (it starts on first use: its own descriptors are not the test's)
+        self.served = broker_descriptors()
+        self.fds = open_fds()
 
     def allocate(self, size: int):
         buf = self.mr.allocate(size, stream=self.dev.default_stream)
