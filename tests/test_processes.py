@@ -161,3 +161,61 @@ def test_a_child_forked_after_cuda_started_gets_a_clear_reason_not_a_broken_devi
     os.close(read)
     os.waitpid(pid, 0)
     assert "forked from pid" in message and "spawn" in message
+
+
+EXPORTER = """
+import pickle, sys
+from cuda.core import Device, DeviceMemoryResource, DeviceMemoryResourceOptions
+import gpu_serde
+gpu_serde.install()
+d = Device(0)
+d.set_current()
+if sys.argv[1] == "pool":
+    mr = DeviceMemoryResource(d, DeviceMemoryResourceOptions(ipc_enabled=True, max_size=1 << 22))
+else:
+    mr = gpu_serde.ArenaMemoryResource(d, 1 << 22)
+bufs = [mr.allocate(4096, stream=d.default_stream) for _ in range(2)]
+for buf in bufs:
+    print(pickle.dumps(buf).hex(), flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.parametrize("kind", ["pool", "arena"])
+def test_a_child_forked_after_an_import_receives_afresh_and_gets_the_clear_reason(
+    installed, sim_env, kind
+):
+    import subprocess
+    import sys
+
+    exporter = subprocess.Popen(
+        [sys.executable, "-c", EXPORTER, kind],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=sim_env([installed[2].uuid]),
+    )
+    try:
+        first, second = (bytes.fromhex(exporter.stdout.readline()) for _ in range(2))
+        received = pickle.loads(first)  # this process maps the exporter's memory
+        assert received.size == 4096
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: the parent's mapping is not its own
+            try:
+                gpu_serde.resolve(pickle.loads(second))
+                message = "received over the parent's mapping"
+            except gpu_serde.DeviceNotVisibleError as exc:
+                message = str(exc)
+            except BaseException as exc:  # reported, not raised, in a child
+                message = f"{type(exc).__name__}: {exc}"
+            os.write(write, message.encode()[:4000])
+            os._exit(0)
+        os.close(write)
+        message = os.read(read, 4000).decode()
+        os.close(read)
+        os.waitpid(pid, 0)
+        assert "forked from pid" in message and "spawn" in message, message
+        received.close()
+    finally:
+        exporter.communicate("", timeout=30)

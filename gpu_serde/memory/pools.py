@@ -54,6 +54,23 @@ _imported: dict[tuple[str, bytes], tuple[Pool, object]] = {}
 _importing: dict[tuple[str, bytes], threading.Lock] = {}  # a lock per descriptor being imported
 
 
+_left_by_fork: list[Any] = []
+
+
+def _forget_after_fork() -> None:
+    """A forked child imports afresh (CUDA does not survive a fork, and a receive there says so):
+    its parent's imported pools are kept, never freed (freeing calls the driver, which a forked
+    child must not do before it execs), and a lock another thread held at the fork is not
+    waited for."""
+    global _importing
+    _left_by_fork.append(dict(_imported))
+    _imported.clear()
+    _importing = {}
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
 def pool_payload(mr: Pool) -> tuple[Any, ...]:
     """The wire payload of an IPC-enabled pool (an imported one travels on as it came); the
     same tuple every time.
