@@ -139,6 +139,18 @@ def test_share_takes_only_cuda_tensors_and_arrays(obj):
         gpu_serde.share(obj)
 
 
+def test_sending_on_torchs_default_stream_needs_no_event_and_another_stream_one(installed):
+    from gpu_serde.errors import HandoffError
+    from gpu_serde.memory.driver import LEGACY_STREAM
+    from gpu_serde.tensors.sharing import follow
+
+    absent = len(installed) + 5  # no such device: any driver call on it is refused
+    follow(absent, 0, LEGACY_STREAM)  # torch's and CuPy's 0 is cuda.core's default stream
+    follow(absent, 77, 77)
+    with pytest.raises(HandoffError, match="cuDeviceGet"):
+        follow(absent, 77, LEGACY_STREAM)  # another stream: an event on the device
+
+
 def test_torch_pickling_keeps_torchs_own_reduction():
     """torch.save, torch.package, torch.distributed and copy.copy pickle from torch's (or copy's)
     own frames: there a tensor keeps torch's reduction."""

@@ -200,7 +200,8 @@ def test_work_queued_before_sending_is_done_before_the_receiver_reads(gpu, monke
         with torch.cuda.stream(stream):
             torch.cuda._sleep(1 << 30)  # about half a second of GPU time before the write
             x.fill_(7.0)
-            blob = pickle.dumps(gpu_serde.share(x))  # sent while the write is still queued
+            blob = pickle.dumps(gpu_serde.share(x))
+            assert not torch.cuda.current_stream().query()  # sent while the write is queued
         got = run(loads_and_describe, blob)
     assert pickle.loads(got["values"]).equal(torch.full((1 << 20,), 7.0))
 

@@ -266,6 +266,18 @@ def ipc_event(ordinal: int) -> tuple[Any, bytes]:
     return event, ctypes.string_at(handle.getPtr(), IPC_EVENT_BYTES)
 
 
+#: The legacy default stream's handle: what torch and CuPy call stream 0, and cuda.core's
+#: default stream (unless cuda-bindings runs with per-thread default streams).
+LEGACY_STREAM = int(driver.CU_STREAM_LEGACY)
+
+
+def raw_stream(handle: int) -> int:
+    """``handle`` (torch's or CuPy's) as the driver reads it in whichever mode cuda-bindings
+    runs: their 0, the null stream, is the legacy default stream (in cuda-bindings' per-thread
+    mode a 0 would be the thread's own default stream)."""
+    return LEGACY_STREAM if handle == 0 else handle
+
+
 def plain_event(ordinal: int) -> Any:
     """A new event without timing on device ``ordinal`` (the caller's context must be current)."""
     return check("cuEventCreate", driver.cuEventCreate(_PLAIN_EVENT))

@@ -22,6 +22,7 @@ from gpu_serde.device import device_payload
 from gpu_serde.errors import PayloadError
 from gpu_serde.format.device import VERSION
 from gpu_serde.format.tensor import MetaPayload, TvalPayload
+from gpu_serde.memory import driver as _driver
 from gpu_serde.tensors.common import Carried
 
 LIBRARY = "cupy"
@@ -76,9 +77,10 @@ def device_of(x: Any) -> int:
 
 
 def current_stream(ordinal: int) -> int:
-    """The handle of CuPy's current stream on device ``ordinal`` in this thread."""
+    """The handle of CuPy's current stream on device ``ordinal`` in this thread, as the driver
+    reads it (CuPy's 0 is the legacy default stream)."""
     with cupy.cuda.Device(ordinal):
-        return int(cupy.cuda.get_current_stream().ptr)
+        return _driver.raw_stream(int(cupy.cuda.get_current_stream().ptr))
 
 
 def storage_of(x: Any) -> tuple[int, int]:

@@ -151,37 +151,24 @@ def _from_own_arenas(ordinal: int, nbytes: int) -> Buffer:
     return arena.allocate(nbytes)
 
 
-#: The legacy default stream's handle: what torch and CuPy call stream 0, and cuda.core's
-#: default stream (unless cuda-bindings runs with per-thread default streams).
-LEGACY_STREAM = int(driver.CU_STREAM_LEGACY)
-_events = threading.local()  # per thread: ordinal -> the event follow() records (kept for good)
-
-
-def raw_stream(handle: int) -> int:
-    """``handle`` as the driver reads it whatever mode cuda-bindings runs in: torch's and CuPy's
-    0 (their null stream, the legacy default stream) as :data:`LEGACY_STREAM`."""
-    return LEGACY_STREAM if handle == 0 else handle
-
-
 def follow(ordinal: int, stream: int, block_stream: int) -> None:
     """Make ``block_stream`` wait for the work queued on ``stream`` so far (both raw handles on
     device ``ordinal``; 0 is the legacy default stream). Nothing to do when they are the same
-    stream; else one event per thread and device, recorded again each time (a wait already
-    queued keeps the recording it was queued after).
+    stream (torch's and CuPy's default against cuda.core's, the common case).
 
     Raises:
         HandoffError: the driver refused.
     """
-    stream, block_stream = raw_stream(stream), raw_stream(block_stream)
+    stream, block_stream = _driver.raw_stream(stream), _driver.raw_stream(block_stream)
     if stream == block_stream:
         return
     with _driver.context(ordinal):
-        events = _events.__dict__.setdefault("by_ordinal", {})
-        event = events.get(ordinal)
-        if event is None:
-            event = events[ordinal] = _driver.plain_event(ordinal)
-        _driver.check("cuEventRecord", driver.cuEventRecord(event, stream))
-        _driver.check("cuStreamWaitEvent", driver.cuStreamWaitEvent(block_stream, event, 0))
+        event = _driver.plain_event(ordinal)
+        try:
+            _driver.check("cuEventRecord", driver.cuEventRecord(event, stream))
+            _driver.check("cuStreamWaitEvent", driver.cuStreamWaitEvent(block_stream, event, 0))
+        finally:
+            driver.cuEventDestroy(event)  # released once the wait has used it
 
 
 # ---- the sender's side ----
@@ -265,7 +252,7 @@ def share(x: Any) -> Shared:
     buf = allocate(ordinal, skip + nbytes)  # the offset is kept: the block reaches to the last
     stream = default_stream(ordinal)
     if nbytes:
-        current = raw_stream(m.current_stream(ordinal))
+        current = _driver.raw_stream(m.current_stream(ordinal))
         with _driver.context(ordinal):
             _driver.check(
                 "cuMemcpyDtoDAsync",

@@ -94,8 +94,9 @@ def finish(t: Any, meta: MetaPayload) -> Any:
 
 
 def current_stream(ordinal: int) -> int:
-    """The handle of torch's current stream on device ``ordinal`` in this thread."""
-    return int(torch.cuda.current_stream(ordinal).cuda_stream)
+    """The handle of torch's current stream on device ``ordinal`` in this thread, as the driver
+    reads it (torch's 0 is the legacy default stream)."""
+    return _driver.raw_stream(int(torch.cuda.current_stream(ordinal).cuda_stream))
 
 
 # ---- by value: pickle, cloudpickle, Ray, Dask ----

@@ -263,8 +263,9 @@ def rebuild_buffer(payload: object) -> Buffer:
 
 
 def receive(p: AbufPayload, payload: tuple[Any, ...], what: str = ARENA_MEMORY) -> Buffer:
-    """The buffer that ``p`` (``payload`` decoded) names: :func:`rebuild_buffer` once decoded;
-    ``what`` names the memory in the errors of a region's first map.
+    """The buffer that ``p`` names: :func:`rebuild_buffer` once decoded (``p`` must be what
+    :func:`~gpu_serde.format.memory.decode_abuf` made of ``payload``); ``what`` names the memory
+    in the errors of a region's first map.
 
     Raises:
         As :func:`rebuild_buffer`.
