@@ -188,8 +188,9 @@ def test_shared_tensors_reach_a_child_without_a_copy_with_their_layout(gpu, monk
         assert got[name]["device"] == 0
 
 
+@pytest.mark.parametrize("how", ["pickled here", "on a multiprocessing queue"])
 @pytest.mark.parametrize("where", ["a side stream", "the default stream"])
-def test_work_queued_before_sending_is_done_before_the_receiver_reads(gpu, monkeypatch, where):
+def test_work_queued_before_sending_is_done_before_the_receiver_reads(gpu, monkeypatch, where, how):
     ordinal, uuid = gpu
     x = gpu_serde.tensors.empty((1 << 20,), torch.float32, ordinal)
     x.zero_()
@@ -200,9 +201,12 @@ def test_work_queued_before_sending_is_done_before_the_receiver_reads(gpu, monke
         with torch.cuda.stream(stream):
             torch.cuda._sleep(1 << 30)  # about half a second of GPU time before the write
             x.fill_(7.0)
-            blob = pickle.dumps(gpu_serde.share(x))
-            assert not torch.cuda.current_stream().query()  # sent while the write is queued
-        got = run(loads_and_describe, blob)
+            if how == "pickled here":
+                blob = pickle.dumps(gpu_serde.share(x))
+                assert not torch.cuda.current_stream().query()  # sent while the write is queued
+                got = run(loads_and_describe, blob)
+            else:  # pickled in the queue's feeder thread, whose current stream is the default
+                got = run(describe, gpu_serde.share(x))
     assert pickle.loads(got["values"]).equal(torch.full((1 << 20,), 7.0))
 
 

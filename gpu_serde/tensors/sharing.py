@@ -11,9 +11,11 @@ lifetime protocol of :mod:`gpu_serde.memory.lifetime`) and how the tensor lies o
 receiver maps the region once, takes the hold, waits for the sender's work and builds a tensor
 of the same library, dtype, shape, strides and offset over the block, on the same GPU by UUID.
 
-Ordering: pickling a shared tensor makes the block's stream wait for the work queued on the
-library's current stream (torch's or CuPy's, in the pickling thread) before the arena records
-its event, so a receiver sees everything the sender queued there before sending.
+Ordering: :func:`share` makes the block's stream wait for the work queued so far on the
+library's current stream (torch's or CuPy's) in the calling thread, and pickling does the same
+in the pickling thread (a ``multiprocessing`` queue's feeder thread, Dask's and Ray's own
+threads) before the arena records its event: a receiver sees everything the sender queued on
+either stream before sending.
 """
 
 from __future__ import annotations
@@ -221,16 +223,20 @@ def share(x: Any) -> Shared:
     into an arena block (a :class:`SharedCopyWarning` says so), after the work queued on the
     library's current stream.
 
-    The sender may drop the tensor (and the returned object) right after sending it: the memory
-    stays valid until every receiver has dropped what it received. A receiver whose sender died
-    before it took its hold gets ``ExporterGoneError`` when it uses what it received; one on
-    another host ``OtherHostError``; one that does not see the GPU ``DeviceNotVisibleError``.
+    Work queued so far on the library's current stream in this thread (a side stream too) is
+    done before any receiver reads, as is work queued on the current stream of the thread that
+    pickles the result. The sender may drop the tensor (and the returned object) right after
+    sending it: the memory stays valid until every receiver has dropped what it received. A
+    receiver whose sender died before it took its hold gets ``ExporterGoneError`` when it uses
+    what it received; one on another host ``OtherHostError``; one that does not see the GPU
+    ``DeviceNotVisibleError``.
 
     Raises:
         TypeError: ``x`` is not a CUDA torch tensor or CuPy array that gpu_serde carries (sparse,
             quantized and nested tensors, subclasses, and tensors with Python attributes are
             not).
-        ArenaFullError, HandoffError: the copy found no room (a new arena was refused).
+        ArenaFullError, HandoffError: the copy found no room (a new arena was refused), or the
+            driver refused to order the block after the current stream.
     """
     library = library_of(x)
     if library is None:
@@ -244,7 +250,8 @@ def share(x: Any) -> Shared:
             "Python attributes of its own); send others as they are (by value)"
         )
     found = in_gpu_serde_memory(x)
-    if found is not None:
+    if found is not None:  # ordered after the caller's stream now, the pickling thread's later
+        follow(found.ordinal, m.current_stream(found.ordinal), found.stream)
         return found
     ordinal = m.device_of(x)
     meta, base, low, count = m.span(x)
