@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
@@ -306,6 +307,21 @@ def ray_on(tier: Tier, module: str, num_cpus: int = 4) -> Iterator[object]:
         yield ray
     finally:
         ray.shutdown()
+
+
+def ray_get(refs: Any, timeout: float = 120) -> Any:
+    """``ray.get(refs)`` within ``timeout`` (below pytest's own), failing with what the cluster
+    had free: a task that never started (its GPU share still taken) reads apart from one that
+    hung."""
+    import ray
+
+    try:
+        return ray.get(refs, timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        raise AssertionError(
+            f"no result within {timeout} s; resources free {ray.available_resources()} of "
+            f"{ray.cluster_resources()}"
+        ) from None
 
 
 @contextlib.contextmanager

@@ -30,6 +30,7 @@ from memtier import (
     fill,
     host_words,
     ray_by_value,
+    ray_get,
     short_release_grace,
     wait_until,
 )
@@ -247,7 +248,7 @@ def test_a_ray_actor_hands_a_buffer_to_a_task(ray_session, tier):
     ray = ray_session
     consume = ray.remote(num_gpus=0.5)(check)
     producer = make_in_actor(tier.size).remote()
-    got = ray.get(consume.remote(producer.make.remote()), timeout=300)
+    got = ray_get(consume.remote(producer.make.remote()))
     assert got["ok"] and got["size"] == tier.size
 
 
@@ -265,7 +266,7 @@ def test_the_driver_hands_a_buffer_to_a_ray_actor_and_gets_it_back(ray_session, 
     consumer = Consumer.remote()
     ref = consumer.check.remote(buf)
     del buf
-    got = ray.get(ref, timeout=300)
+    got = ray_get(ref)
     ray.kill(consumer)
     assert got["ok"] and got["size"] == tier.size
     assert used_returns_to(pool, baseline)
@@ -281,7 +282,7 @@ def test_pinned_and_vmm_buffers_reach_a_ray_task(ray_session, tier):
     fill(pbuf)
     fill(vbuf)
     consume = ray.remote(num_gpus=0.5)(check)
-    got_p, got_v = ray.get([consume.remote(pbuf), consume.remote(vbuf)], timeout=300)
+    got_p, got_v = ray_get([consume.remote(pbuf), consume.remote(vbuf)])
     assert got_p["ok"] and got_p["host"] and got_p["size"] == tier.size // 4
     assert got_v["ok"] and not got_v["host"] and got_v["size"] == tier.size
 
