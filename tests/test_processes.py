@@ -142,24 +142,31 @@ report(before=before, ordinal=d.device_id, after=is_installed(), resent=b"gpu_se
     assert got == {"before": False, "ordinal": 0, "after": True, "resent": True}
 
 
-def test_a_child_forked_after_cuda_started_gets_a_clear_reason_not_a_broken_device(installed):
-    import os
-
-    blob = pickle.dumps(Device(0))
+def from_a_forked_child(receive) -> str:
+    """What receiving says in a child forked from this process: the message of its
+    DeviceNotVisibleError, or what happened instead."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child
         try:
-            gpu_serde.resolve(pickle.loads(blob))
-            message = "resolved"
+            gpu_serde.resolve(receive())
+            message = "received"
         except gpu_serde.DeviceNotVisibleError as exc:
             message = str(exc)
+        except BaseException as exc:  # reported, not raised, in a child
+            message = f"{type(exc).__name__}: {exc}"
         os.write(write, message.encode()[:4000])
         os._exit(0)
     os.close(write)
     message = os.read(read, 4000).decode()
     os.close(read)
     os.waitpid(pid, 0)
+    return message
+
+
+def test_a_child_forked_after_cuda_started_gets_a_clear_reason_not_a_broken_device(installed):
+    blob = pickle.dumps(Device(0))
+    message = from_a_forked_child(lambda: pickle.loads(blob))
     assert "forked from pid" in message and "spawn" in message
 
 
@@ -199,22 +206,7 @@ def test_a_child_forked_after_an_import_receives_afresh_and_gets_the_clear_reaso
         first, second = (bytes.fromhex(exporter.stdout.readline()) for _ in range(2))
         received = pickle.loads(first)  # this process maps the exporter's memory
         assert received.size == 4096
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: the parent's mapping is not its own
-            try:
-                gpu_serde.resolve(pickle.loads(second))
-                message = "received over the parent's mapping"
-            except gpu_serde.DeviceNotVisibleError as exc:
-                message = str(exc)
-            except BaseException as exc:  # reported, not raised, in a child
-                message = f"{type(exc).__name__}: {exc}"
-            os.write(write, message.encode()[:4000])
-            os._exit(0)
-        os.close(write)
-        message = os.read(read, 4000).decode()
-        os.close(read)
-        os.waitpid(pid, 0)
+        message = from_a_forked_child(lambda: pickle.loads(second))  # not the parent's map
         assert "forked from pid" in message and "spawn" in message, message
         received.close()
     finally:
