@@ -3,6 +3,8 @@
 import multiprocessing
 import os
 import pickle
+import subprocess
+import sys
 
 import pytest
 from cuda.core import Device
@@ -192,9 +194,6 @@ sys.stdin.read()
 def test_a_child_forked_after_an_import_receives_afresh_and_gets_the_clear_reason(
     installed, sim_env, kind
 ):
-    import subprocess
-    import sys
-
     exporter = subprocess.Popen(
         [sys.executable, "-c", EXPORTER, kind],
         stdin=subprocess.PIPE,
