@@ -56,6 +56,7 @@ import importlib.util
 import json
 import os
 import platform
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -141,6 +142,32 @@ class Run:
 
     def elapsed(self) -> str:
         return f"{time.monotonic() - self.started:.0f} s"
+
+
+class Stopped(Exception):
+    """The run was asked to stop (SIGTERM: ``timeout``'s, a machine's time limit)."""
+
+
+def run_engines(run: Run, steps: list[tuple[str, Callable[[], None]]]) -> None:
+    """Run each engine's step in turn. A SIGTERM stops the run where it is: what was measured
+    is kept, the rest is recorded as left out, and the tables and files are still written (run
+    under ``timeout -k 60 ...``): from the end of the measuring on, SIGTERM is ignored."""
+
+    def stop(signum: int, frame: Any) -> None:
+        raise Stopped
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        for i, (_engine, step) in enumerate(steps):
+            try:
+                step()
+            except Stopped:
+                why = f"the run was stopped (SIGTERM) after {run.elapsed()}"
+                for name, _ in steps[i:]:
+                    run.skip(name, "what was not measured by then", why)
+                return
+    finally:  # measured: the tables and files are written whatever comes now
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 RoundTrip = Callable[[str, int, int], float]
@@ -596,12 +623,14 @@ def main() -> None:
     dev.set_current()
     run = Run(args)
     log(f"{gpus}; {machine()}; sizes {', '.join(label(s) for s in args.sizes)}")
+    steps: list[tuple[str, Callable[[], None]]] = []
     if "ray-actor" in args.engines or "ray-task" in args.engines:
-        ray_engines(run, kinds)
+        steps.append(("ray", lambda: ray_engines(run, kinds)))
     if "dask" in args.engines:
-        dask_engine(run, kinds)
+        steps.append(("dask", lambda: dask_engine(run, kinds)))
     if "mp" in args.engines:
-        mp_engine(run, kinds)
+        steps.append(("mp", lambda: mp_engine(run, kinds)))
+    run_engines(run, steps)
     print(f"# GPU buffer hand-off ({dev.name}; {gpus}; {machine()}; {run.elapsed()})")
     for engine in ("ray-actor", "ray-task", "dask", "mp"):
         table(run, engine)

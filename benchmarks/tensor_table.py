@@ -322,12 +322,14 @@ def main() -> None:
     dev.set_current()
     run = ht.Run(args)
     ht.log(f"{gpus}; {machine()}; sizes {', '.join(ht.label(s) for s in args.sizes)}")
+    steps: list[tuple[str, Any]] = []
     if "ray-actor" in args.engines or "ray-task" in args.engines:
-        ray_engines(run)
+        steps.append(("ray", lambda: ray_engines(run)))
     if "dask" in args.engines:
-        dask_engine(run)
+        steps.append(("dask", lambda: dask_engine(run)))
     if "mp" in args.engines:
-        mp_engine(run)
+        steps.append(("mp", lambda: mp_engine(run)))
+    ht.run_engines(run, steps)  # a SIGTERM stops it there: what was measured is still written
     print(f"# torch tensor hand-off ({dev.name}; {gpus}; {machine()}; {run.elapsed()})")
     for engine in ("ray-actor", "ray-task", "dask", "mp"):
         table(run, engine)
