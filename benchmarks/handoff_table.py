@@ -227,8 +227,9 @@ def block(
 
 
 def first_maps(run: Run, engine: str, rt: RoundTrip) -> None:
-    """The first hand-off from a new region, by size (the receiver maps it)."""
-    for size in run.args.sizes:
+    """The first hand-off from a new region, by size (the receiver maps it); none with
+    ``--first-rounds 0``."""
+    for size in run.args.sizes if run.args.first_rounds > 0 else ():
         n = run.args.first_rounds if size <= (4 << 30) else 1
         firsts, ints = [], []
         for _ in range(n):
