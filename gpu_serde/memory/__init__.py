@@ -9,5 +9,6 @@
   :mod:`~gpu_serde.memory.arena` (``ArenaMemoryResource``), :mod:`~gpu_serde.memory.bycopy`
   (a host copy, beyond the host), :mod:`~gpu_serde.memory.portable` (both),
   :mod:`~gpu_serde.memory.unsent` (what a sender could not send);
-- :mod:`~gpu_serde.memory.buffers`: a ``Buffer`` by the kind of its memory resource.
+- :mod:`~gpu_serde.memory.buffers`: a ``Buffer`` by the kind of its memory resource;
+- :mod:`~gpu_serde.memory.background`: the daemon threads a process starts on first use.
 """

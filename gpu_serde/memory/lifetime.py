@@ -56,6 +56,7 @@ from gpu_serde.format.device import decode_device
 from gpu_serde.hostid import host_id
 from gpu_serde.memory import broker as _broker
 from gpu_serde.memory import driver as _driver
+from gpu_serde.memory.background import Background
 from gpu_serde.placeholders import not_visible_error
 from gpu_serde.text import quoted
 
@@ -426,19 +427,12 @@ def _release_worker() -> None:
             freed.add(item[3])
 
 
-_worker: threading.Thread | None = None
+_release_thread = Background("gpu_serde-release", _release_worker)
 
 
 def start_release_thread() -> None:
     """Start the release thread (once per process; :class:`Import` starts it)."""
-    global _worker
-    if _worker is None or not _worker.is_alive():
-        with lock:
-            if _worker is None or not _worker.is_alive():
-                _worker = threading.Thread(
-                    target=_release_worker, name="gpu_serde-release", daemon=True
-                )
-                _worker.start()
+    _release_thread.start()
 
 
 def _stop_at_exit() -> None:
@@ -446,8 +440,8 @@ def _stop_at_exit() -> None:
     :data:`EXIT_WAIT_S`) and stop, so that no daemon thread calls the driver while the
     interpreter is torn down. What it still holds needs no message: the kernel releases a
     process's locks in the exporters' holds files, and closes its connections, at its end."""
-    worker = _worker
-    if worker is not None and worker.is_alive():
+    worker = _release_thread.running()
+    if worker is not None:
         _releases.put((_STOP, "", b"", -1))
         _stopped.wait(EXIT_WAIT_S)
 
@@ -458,7 +452,7 @@ _left_by_fork: list[Any] = []
 def _after_fork_in_child() -> None:
     """A forked child holds none of its parent's imports (its copies of the parent's broker
     connections are closed, the holds stay the parent's) and has no release thread."""
-    global lock, _worker, _releases, _stopped
+    global lock, _releases, _stopped
     _live.clear()
     _origin.clear()
     _sent.clear()  # the parent's holds, at the parent's broker
@@ -467,7 +461,8 @@ def _after_fork_in_child() -> None:
     _left_by_fork.append((_releases, dict(_unmap_streams)))
     _unmap_streams.clear()
     _releases = queue.SimpleQueue()
-    lock, _worker = threading.RLock(), None
+    lock = threading.RLock()
+    _release_thread.forget()
     _stopped = threading.Event()
     multiprocessing.util.Finalize(None, _stop_at_exit, exitpriority=100)
 

@@ -44,6 +44,7 @@ import threading
 import time
 
 from gpu_serde.errors import ExporterGoneError, HandoffError, TokenRefusedError
+from gpu_serde.memory.background import Background
 from gpu_serde.memory.broker import holdsfile
 from gpu_serde.memory.broker.holdsfile import HoldsFile
 
@@ -135,8 +136,9 @@ def _forget_after_fork() -> None:
     """A forked child shares none of its parent's connections, nor its holds: close the inherited
     sockets and holds files (only this process's copies: the parent's connections and locks
     stay, for an open file description's locks go only with its last descriptor)."""
-    global _links_lock, _flusher, _flush_wanted
-    _links_lock, _flusher, _flush_wanted = threading.Lock(), None, threading.Event()
+    global _links_lock, _flush_wanted
+    _links_lock, _flush_wanted = threading.Lock(), threading.Event()
+    _flusher.forget()
     links = list(_links.values())
     _links.clear()
     for link in links:  # this process's copies only: no shutdown
@@ -435,7 +437,6 @@ def _flush(link: _Link, timeout: float) -> None:
             link.pending.clear()  # sent, or the caller hangs up
 
 
-_flusher: threading.Thread | None = None
 _flush_wanted = threading.Event()
 #: Seconds the flusher waits for an exporter to read more of a connection's pending notes.
 FLUSH_S = 5.0
@@ -468,6 +469,9 @@ def _flush_pending() -> None:
                     select.select([], waiting, [], 0.05)  # until one can take more
         if _exiting:
             return
+
+
+_flusher = Background("gpu_serde-notes", _flush_pending)
 
 
 def _drain_once(link: _Link, stalled: dict[int, float]) -> socket.socket | None:
@@ -504,8 +508,8 @@ _exiting = False
 def _stop_flusher_at_exit() -> None:
     global _exiting
     _exiting = True
-    flusher = _flusher
-    if flusher is not None and flusher.is_alive():
+    flusher = _flusher.running()
+    if flusher is not None:
         _flush_wanted.set()
         flusher.join(1.0)
 
@@ -514,14 +518,7 @@ atexit.register(_stop_flusher_at_exit)
 
 
 def _wake_flusher() -> None:
-    global _flusher
-    if _flusher is None or not _flusher.is_alive():
-        with _links_lock:
-            if _flusher is None or not _flusher.is_alive():
-                _flusher = threading.Thread(
-                    target=_flush_pending, name="gpu_serde-notes", daemon=True
-                )
-                _flusher.start()
+    _flusher.start()
     _flush_wanted.set()
 
 
