@@ -166,6 +166,7 @@ def document(
         "machine": machine,
         "versions": versions,
         "results": rows,
+        **({"left_out": raw["skipped"]} if raw.get("skipped") else {}),
     }
 
 

@@ -144,27 +144,36 @@ class Run:
         return f"{time.monotonic() - self.started:.0f} s"
 
 
-class Stopped(Exception):
-    """The run was asked to stop (SIGTERM: ``timeout``'s, a machine's time limit)."""
+class Stopped(BaseException):
+    """The run was asked to stop (SIGTERM: ``timeout``'s, a machine's time limit). Not an
+    ``Exception``: no ``except Exception`` on the way swallows it."""
 
 
-def run_engines(run: Run, steps: list[tuple[str, Callable[[], None]]]) -> None:
-    """Run each engine's step in turn. A SIGTERM stops the run where it is: what was measured
-    is kept, the rest is recorded as left out, and the tables and files are still written (run
-    under ``timeout -k 60 ...``): from the end of the measuring on, SIGTERM is ignored."""
+def _stop(signum: int, frame: Any) -> None:
+    raise Stopped(time.monotonic())  # when it came: the cleanup on the way out takes a while
 
-    def stop(signum: int, frame: Any) -> None:
-        raise Stopped
 
-    signal.signal(signal.SIGTERM, stop)
+def watch_for_stop() -> None:
+    """Make a SIGTERM stop the run (:func:`run_engines`); call it again after anything that
+    installs its own handler (``ray.init`` does)."""
+    signal.signal(signal.SIGTERM, _stop)
+
+
+def run_engines(run: Run, steps: list[tuple[list[str], Callable[[], None]]]) -> None:
+    """Run each step (the engines it measures, and how) in turn. A SIGTERM stops the run where
+    it is: what was measured is kept, the rest is recorded as left out, and the tables and files
+    are still written (run under ``timeout -k 60 ...``): from the end of the measuring on,
+    SIGTERM is ignored."""
     try:
-        for i, (_engine, step) in enumerate(steps):
+        for i, (_engines, step) in enumerate(steps):
+            watch_for_stop()
             try:
                 step()
-            except Stopped:
-                why = f"the run was stopped (SIGTERM) after {run.elapsed()}"
-                for name, _ in steps[i:]:
-                    run.skip(name, "what was not measured by then", why)
+            except Stopped as stop:
+                why = f"the run was stopped (SIGTERM) after {stop.args[0] - run.started:.0f} s"
+                for engines, _ in steps[i:]:
+                    for engine in engines:
+                        run.skip(engine, "what was not measured by then", why)
                 return
     finally:  # measured: the tables and files are written whatever comes now
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -267,6 +276,7 @@ def ray_engines(run: Run, kinds: dict[str, bool]) -> None:
     args = run.args
     max_size = max(args.sizes)
     gpu_serde.ray.init(num_cpus=8, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    watch_for_stop()  # ray.init installs a SIGTERM handler of its own
     log(f"[ray] Ray {ray.__version__} started ({run.elapsed()})")
     try:
         actor_opts: dict[str, Any] = {"num_gpus": 0.5}
@@ -380,7 +390,8 @@ def mp_engine(run: Run, kinds: dict[str, bool]) -> None:
 
     def start() -> tuple[Any, Any, Any]:
         inbox, outbox = ctx.Queue(), ctx.Queue()
-        child = ctx.Process(target=parts.serve, args=(inbox, outbox, max_size))
+        # a daemon: a run stopped while it starts does not wait for it at exit
+        child = ctx.Process(target=parts.serve, args=(inbox, outbox, max_size), daemon=True)
         child.start()
         outbox.get(timeout=TIMEOUT_S)  # warm: CUDA started there
         return child, inbox, outbox
@@ -624,13 +635,14 @@ def main() -> None:
     dev.set_current()
     run = Run(args)
     log(f"{gpus}; {machine()}; sizes {', '.join(label(s) for s in args.sizes)}")
-    steps: list[tuple[str, Callable[[], None]]] = []
-    if "ray-actor" in args.engines or "ray-task" in args.engines:
-        steps.append(("ray", lambda: ray_engines(run, kinds)))
+    steps: list[tuple[list[str], Callable[[], None]]] = []
+    rays = [e for e in ("ray-actor", "ray-task") if e in args.engines]
+    if rays:
+        steps.append((rays, lambda: ray_engines(run, kinds)))
     if "dask" in args.engines:
-        steps.append(("dask", lambda: dask_engine(run, kinds)))
+        steps.append((["dask"], lambda: dask_engine(run, kinds)))
     if "mp" in args.engines:
-        steps.append(("mp", lambda: mp_engine(run, kinds)))
+        steps.append((["mp"], lambda: mp_engine(run, kinds)))
     run_engines(run, steps)
     print(f"# GPU buffer hand-off ({dev.name}; {gpus}; {machine()}; {run.elapsed()})")
     for engine in ("ray-actor", "ray-task", "dask", "mp"):

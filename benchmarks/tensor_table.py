@@ -117,6 +117,7 @@ def ray_engines(run: ht.Run) -> None:
 
     max_size = max(run.args.sizes)
     gpu_serde.ray.init(num_cpus=8, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    ht.watch_for_stop()  # ray.init installs a SIGTERM handler of its own
     try:
         opts = {"num_gpus": 0.5, "enable_tensor_transport": True}
         sender_cls = ray.remote(**opts)(parts.Sender)
@@ -200,7 +201,8 @@ def mp_engine(run: ht.Run) -> None:
     parts.setup(max_size)
     ctx = multiprocessing.get_context("spawn")
     inbox, outbox = ctx.Queue(), ctx.Queue()
-    child = ctx.Process(target=parts.serve, args=(inbox, outbox, max_size))
+    # a daemon: a run stopped while it starts does not wait for it at exit
+    child = ctx.Process(target=parts.serve, args=(inbox, outbox, max_size), daemon=True)
     child.start()
     outbox.get(timeout=600)
 
@@ -322,13 +324,14 @@ def main() -> None:
     dev.set_current()
     run = ht.Run(args)
     ht.log(f"{gpus}; {machine()}; sizes {', '.join(ht.label(s) for s in args.sizes)}")
-    steps: list[tuple[str, Any]] = []
-    if "ray-actor" in args.engines or "ray-task" in args.engines:
-        steps.append(("ray", lambda: ray_engines(run)))
+    steps: list[tuple[list[str], Any]] = []
+    rays = [e for e in ("ray-actor", "ray-task") if e in args.engines]
+    if rays:
+        steps.append((rays, lambda: ray_engines(run)))
     if "dask" in args.engines:
-        steps.append(("dask", lambda: dask_engine(run)))
+        steps.append((["dask"], lambda: dask_engine(run)))
     if "mp" in args.engines:
-        steps.append(("mp", lambda: mp_engine(run)))
+        steps.append((["mp"], lambda: mp_engine(run)))
     ht.run_engines(run, steps)  # a SIGTERM stops it there: what was measured is still written
     print(f"# torch tensor hand-off ({dev.name}; {gpus}; {machine()}; {run.elapsed()})")
     for engine in ("ray-actor", "ray-task", "dask", "mp"):

@@ -144,17 +144,13 @@ report(before=before, ordinal=d.device_id, after=is_installed(), resent=b"gpu_se
     assert got == {"before": False, "ordinal": 0, "after": True, "resent": True}
 
 
-def from_a_forked_child(receive) -> str:
-    """What receiving says in a child forked from this process: the message of its
-    DeviceNotVisibleError, or what happened instead."""
+def in_a_forked_child(fn) -> str:
+    """What ``fn()`` returns (a str) in a child forked from this process, or what it raised."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child
         try:
-            gpu_serde.resolve(receive())
-            message = "received"
-        except gpu_serde.DeviceNotVisibleError as exc:
-            message = str(exc)
+            message = fn()
         except BaseException as exc:  # reported, not raised, in a child
             message = f"{type(exc).__name__}: {exc}"
         os.write(write, message.encode()[:4000])
@@ -166,9 +162,19 @@ def from_a_forked_child(receive) -> str:
     return message
 
 
+def receiving(blob: bytes):
+    """A job for :func:`in_a_forked_child`: unpickle ``blob`` and use what arrived."""
+
+    def receive() -> str:
+        gpu_serde.resolve(pickle.loads(blob))
+        return "received"
+
+    return receive
+
+
 def test_a_child_forked_after_cuda_started_gets_a_clear_reason_not_a_broken_device(installed):
     blob = pickle.dumps(Device(0))
-    message = from_a_forked_child(lambda: pickle.loads(blob))
+    message = in_a_forked_child(receiving(blob))
     assert "forked from pid" in message and "spawn" in message
 
 
@@ -205,8 +211,13 @@ def test_a_child_forked_after_an_import_receives_afresh_and_gets_the_clear_reaso
         first, second = (bytes.fromhex(exporter.stdout.readline()) for _ in range(2))
         received = pickle.loads(first)  # this process maps the exporter's memory
         assert received.size == 4096
-        message = from_a_forked_child(lambda: pickle.loads(second))  # not the parent's map
+        message = in_a_forked_child(receiving(second))  # not over the parent's mapping
         assert "forked from pid" in message and "spawn" in message, message
+        mapped = received.memory_resource
+        memory = mapped.pool if kind == "pool" else mapped.arena  # what the parent imported
+        as_it_came = pickle.dumps(memory)
+        passed_on = in_a_forked_child(lambda: str(pickle.dumps(memory) == as_it_came))
+        assert passed_on == "True"  # the child passes the parent's pool or region on as it came
         received.close()
     finally:
         exporter.communicate("", timeout=30)

@@ -21,9 +21,9 @@ class Background:
         if self.running() is None:
             with self._lock:
                 if self.running() is None:
-                    thread = threading.Thread(target=self.target, name=self.name, daemon=True)
-                    thread.start()
-                    self._thread = thread
+                    # noted before it starts: a start that a signal interrupts is not repeated
+                    self._thread = threading.Thread(target=self.target, name=self.name, daemon=True)
+                    self._thread.start()
 
     def running(self) -> threading.Thread | None:
         """The thread, while it runs."""

@@ -14,8 +14,8 @@ of the same library, dtype, shape, strides and offset over the block, on the sam
 Ordering: :func:`share` makes the block's stream wait for the work queued so far on the
 library's current stream (torch's or CuPy's) in the calling thread, and pickling does the same
 in the pickling thread (a ``multiprocessing`` queue's feeder thread, Dask's and Ray's own
-threads) before the arena records its event: a receiver sees everything the sender queued on
-either stream before sending.
+threads) before the arena records its event: a receiver sees the work queued on the caller's
+stream before :func:`share` was called, and on the pickling thread's before pickling.
 """
 
 from __future__ import annotations
