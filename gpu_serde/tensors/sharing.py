@@ -259,7 +259,7 @@ def share(x: Any) -> Shared:
     buf = allocate(ordinal, skip + nbytes)  # the offset is kept: the block reaches to the last
     stream = default_stream(ordinal)
     if nbytes:
-        current = _driver.raw_stream(m.current_stream(ordinal))
+        current = m.current_stream(ordinal)
         with _driver.context(ordinal):
             _driver.check(
                 "cuMemcpyDtoDAsync",
