@@ -162,8 +162,8 @@ def watch_for_stop() -> None:
 def run_engines(run: Run, steps: list[tuple[list[str], Callable[[], None]]]) -> None:
     """Run each step (the engines it measures, and how) in turn. A SIGTERM stops the run where
     it is: what was measured is kept, the rest is recorded as left out, and the tables and files
-    are still written (run under ``timeout -k 60 ...``): from the end of the measuring on,
-    SIGTERM is ignored."""
+    are still written (run under ``timeout -k 120 ...``: the engines shut down first). From the
+    end of the measuring on, SIGTERM is ignored."""
     try:
         for i, (_engines, step) in enumerate(steps):
             watch_for_stop()
