@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from memtier import check, exited_cleanly, fill, ray_on, wait_until
+from memtier import check, exited_cleanly, fill, ray_get, ray_on, wait_until
 
 import gpu_serde
 from helpers import TESTS
@@ -345,9 +345,9 @@ def test_a_buffer_returned_from_a_ray_gpu_task_that_ray_ends_arrives_with_its_by
     make = ray.remote(num_gpus=0.5, num_returns=2)(make_in_gpu_task)  # max_calls: Ray's default
     consume = ray.remote(num_gpus=0.5)(check)
     pid_ref, buf_ref = make.remote(tier.size)
-    pid = ray.get(pid_ref)
+    pid = ray_get(pid_ref)
     assert wait_until(lambda: not os.path.exists(f"/proc/{pid}"), timeout=60)  # Ray ended it
-    got = ray.get(consume.remote(buf_ref))
+    got = ray_get(consume.remote(buf_ref))
     assert got["ok"] and got["size"] == tier.size and got["pid"] != pid
 
 

@@ -37,6 +37,7 @@ from memtier import (
     holders,
     keep,
     open_fds,
+    ray_get,
     ray_on,
     regions_mapped,
     short_release_grace,
@@ -442,7 +443,7 @@ def test_a_killed_ray_actor_gives_its_holds_back(exporter, tier, ray_session):
 
     holder = Holder.remote()
     buf = exporter.allocate(tier.size)
-    got = ray.get(holder.keep.remote(buf), timeout=300)
+    got = ray_get(holder.keep.remote(buf))
     assert got["ok"] and holders() == {got["pid"]: 1}
     del buf
     os.kill(got["pid"], signal.SIGKILL)

@@ -21,7 +21,7 @@ import time
 import warnings
 
 import pytest
-from memtier import Tier, dask_on, ray_by_value, ray_on
+from memtier import Tier, dask_on, ray_by_value, ray_get, ray_on
 from tensortier import (
     cases,
     child,
@@ -435,12 +435,12 @@ def test_ray_actor_and_task_receive_cuda_tensors_by_value_and_shared(ray_session
     plain = cases(torch, torch.device("cuda", ordinal))["transposed"]
     arena = arena_cases(ordinal)["slice with steps"]
     consumer = Consumer.remote()
-    by_value = ray.get(consumer.describe.remote(plain), timeout=300)
-    shared = ray.get(consumer.describe.remote(gpu_serde.share(arena)), timeout=300)
-    put = ray.get(consume.remote(ray.put(gpu_serde.share(arena))), timeout=300)
+    by_value = ray_get(consumer.describe.remote(plain))
+    shared = ray_get(consumer.describe.remote(gpu_serde.share(arena)))
+    put = ray_get(consume.remote(ray.put(gpu_serde.share(arena))))
     base = arena_cases(ordinal)["contiguous"]
     before = base.clone()
-    ray.get(consumer.add.remote(gpu_serde.share(base)), timeout=300)
+    ray_get(consumer.add.remote(gpu_serde.share(base)))
     torch.cuda.synchronize()
     ray.kill(consumer)
     assert same(by_value, plain) and same(shared, arena) and same(put, arena)
@@ -465,12 +465,12 @@ def test_a_tensor_shared_from_a_ray_gpu_task_that_ray_ends_arrives_with_its_byte
         return float(x.double().sum())
 
     pid_ref, x_ref = make.remote()
-    pid = ray.get(pid_ref, timeout=300)
+    pid = ray_get(pid_ref)
     deadline = time.monotonic() + 60
     while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not os.path.exists(f"/proc/{pid}")  # Ray ended the worker
-    assert ray.get(total.remote(x_ref), timeout=300) == float(sum(range(1 << 20)))
+    assert ray_get(total.remote(x_ref)) == float(sum(range(1 << 20)))
 
 
 def test_a_ray_actor_returns_a_shared_tensor_to_another_actor(ray_session, gpu):
@@ -491,7 +491,7 @@ def test_a_ray_actor_returns_a_shared_tensor_to_another_actor(ray_session, gpu):
             return describe(x)
 
     producer, consumer = Producer.remote(), Consumer.remote()
-    got = ray.get(consumer.describe.remote(producer.make.remote()), timeout=300)
+    got = ray_get(consumer.describe.remote(producer.make.remote()))
     ray.kill(producer)
     ray.kill(consumer)
     assert pickle.loads(got["values"]).equal(torch.arange(1 << 20, dtype=torch.float32))
@@ -525,7 +525,7 @@ def test_ray_direct_transport_hands_tensors_actor_to_actor_by_uuid(ray_session, 
             return [describe(t) for t in tensors]
 
     sender, receiver = Sender.remote(), Receiver.remote()
-    got = ray.get(receiver.describe.remote(sender.tensors.remote()), timeout=300)
+    got = ray_get(receiver.describe.remote(sender.tensors.remote()))
     ray.kill(sender)
     ray.kill(receiver)
     want = torch.arange(1 << 20, dtype=torch.float32)
