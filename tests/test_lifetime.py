@@ -464,3 +464,49 @@ def test_a_portable_buffer_that_cannot_be_copied_travels_as_the_reason(exporter,
     got = pickle.loads(pickle.dumps(gpu_serde.portable(buf)))  # closed: no copy can be made
     with pytest.raises(gpu_serde.HandoffError, match="closed"):
         gpu_serde.resolve(got)
+
+
+# ---- an exiting importer ---------------------------------------------------------------------------
+
+READ_AFTER_GPU_SERDE_STOPPED = """
+import atexit, pickle, sys, threading
+
+def read_at_exit():  # registered before gpu_serde's own exit handler: runs after it
+    from memtier import check
+    buf = pickle.loads(bytes.fromhex(sys.argv[1]))
+    print(check(buf)["ok"], flush=True)
+    buf.close()  # its release is queued for no thread: the process's end gives the hold back
+    print(sorted(t.name for t in threading.enumerate() if t.name.startswith("gpu_serde")), flush=True)
+
+atexit.register(read_at_exit)
+import gpu_serde.memory.lifetime, gpu_serde.memory.broker.client  # their exit handlers, after ours
+gpu_serde.install()
+"""
+
+
+def test_a_buffer_read_after_gpu_serdes_exit_handler_starts_no_thread_and_its_hold_comes_back(
+    exporter, tier
+):
+    """An exit handler of the user's that runs after gpu_serde's (an ``atexit`` registered
+    earlier) may still receive a buffer: it reads right, and no release thread or note flusher
+    starts again to call the driver while the interpreter is torn down; the hold comes back with
+    the process."""
+    buf = exporter.allocate(tier.size)
+    blob = pickle.dumps(buf)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=tier.uuid)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", READ_AFTER_GPU_SERDE_STOPPED, blob.hex()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    from memtier import exited_cleanly
+
+    assert done.stdout.split("\n")[:2] == ["True", "[]"], done.stderr[-2000:]
+    assert exited_cleanly(done.returncode), done.stderr[-2000:]
+    del buf, blob
+    assert wait_until(exporter.all_back, timeout=GRACE + BOUND)
+    assert holders() == {}
+    assert exporter.descriptors_back()

@@ -9,18 +9,20 @@ from collections.abc import Callable
 
 class Background:
     """A named daemon thread that runs ``target``: :meth:`start` starts it when it is not running
-    (once, when threads race), and again in a forked child after :meth:`forget`."""
+    (once, when threads race), and again in a forked child after :meth:`forget`; never after
+    :meth:`close` (the process exits)."""
 
     def __init__(self, name: str, target: Callable[[], None]) -> None:
         self.name, self.target = name, target
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._closed = False
 
     def start(self) -> None:
-        """Start the thread unless it is running."""
-        if self.running() is None:
+        """Start the thread unless it is running or :meth:`close` was called."""
+        if self.running() is None and not self._closed:
             with self._lock:
-                if self.running() is None:
+                if self.running() is None and not self._closed:
                     # noted before it starts: a start that a signal interrupts is not repeated
                     self._thread = threading.Thread(target=self.target, name=self.name, daemon=True)
                     self._thread.start()
@@ -30,7 +32,12 @@ class Background:
         thread = self._thread
         return thread if thread is not None and thread.is_alive() else None
 
+    def close(self) -> None:
+        """The process exits: the thread is not started again (a daemon thread must not call the
+        driver while the interpreter is torn down); the running one ends by its own rule."""
+        self._closed = True
+
     def forget(self) -> None:
         """In a forked child: its parent's thread did not come along (and its lock may have been
         held by another of the parent's threads at the fork)."""
-        self._thread, self._lock = None, threading.Lock()
+        self._thread, self._lock, self._closed = None, threading.Lock(), False

@@ -440,6 +440,7 @@ def _stop_at_exit() -> None:
     :data:`EXIT_WAIT_S`) and stop, so that no daemon thread calls the driver while the
     interpreter is torn down. What it still holds needs no message: the kernel releases a
     process's locks in the exporters' holds files, and closes its connections, at its end."""
+    _release_thread.close()  # an import after this queues its release for no thread
     worker = _release_thread.running()
     if worker is not None:
         _releases.put((_STOP, "", b"", -1))

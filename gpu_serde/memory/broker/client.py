@@ -411,6 +411,7 @@ def _send_ahead(link: _Link, data: bytes) -> None:
         link.pending += data
         if len(link.pending) > PENDING_MAX:
             raise BlockingIOError("the exporter reads no notes")  # the caller hangs up
+        _wake_flusher()  # it runs already, but for a process whose flusher could not start
         return
     if sock.gettimeout() != 0.0:
         sock.settimeout(0.0)  # non-blocking: stays so between notes
@@ -461,7 +462,10 @@ def _flush_pending() -> None:
                 break
             waiting = []
             for link in links:
-                sock = _drain_once(link, stalled)
+                try:
+                    sock = _drain_once(link, stalled)
+                except Exception:  # the flusher outlives any one link's fault
+                    continue
                 if sock is not None:
                     waiting.append(sock)
             if waiting:
@@ -508,6 +512,7 @@ _exiting = False
 def _stop_flusher_at_exit() -> None:
     global _exiting
     _exiting = True
+    _flusher.close()
     flusher = _flusher.running()
     if flusher is not None:
         _flush_wanted.set()
