@@ -134,11 +134,22 @@ def _enumerate() -> Inventory:
     return Inventory(tuple(devices), "", cvd, host, pid, _is_simulated(), by_uuid)
 
 
+_forked_from: int | None = None
+
+
+def forked_from() -> int | None:
+    """The pid of the process this one was forked from after CUDA was initialised there (as
+    far as gpu_serde saw: its parent had enumerated its GPUs), else None. Such a process cannot
+    use CUDA, so the GPU memory it inherited is its parent's."""
+    return _forked_from
+
+
 def _after_fork_in_child() -> None:
-    global cached, _lock
+    global cached, _lock, _forked_from
     _lock = threading.Lock()
     parent = cached
     if parent is not None and parent.devices:  # the parent initialised CUDA
+        _forked_from = parent.pid
         cached = Inventory(
             (),
             f"this process was forked from pid {parent.pid} after CUDA was initialised there, and "

@@ -218,6 +218,39 @@ def test_a_child_forked_after_an_import_receives_afresh_and_gets_the_clear_reaso
         as_it_came = pickle.dumps(memory)
         passed_on = in_a_forked_child(lambda: str(pickle.dumps(memory) == as_it_came))
         assert passed_on == "True"  # the child passes the parent's pool or region on as it came
+        as_it_came = pickle.dumps(received)
+        passed_on = in_a_forked_child(lambda: str(pickle.dumps(received) == as_it_came))
+        assert passed_on == "True"  # and the parent's received buffer
         received.close()
     finally:
         exporter.communicate("", timeout=30)
+
+
+@pytest.mark.parametrize("kind", ["pool", "arena"])
+def test_a_child_forked_from_an_exporter_sends_its_parents_buffer_as_the_clear_reason(
+    installed, kind
+):
+    """A forked child cannot use CUDA, and the memory it inherited is its parent's: a buffer it
+    sends arrives as the reason, never as a hold its parent's broker does not know."""
+    from cuda.core import DeviceMemoryResource, DeviceMemoryResourceOptions
+
+    d = Device(0)
+    d.set_current()
+    if kind == "pool":
+        options = DeviceMemoryResourceOptions(ipc_enabled=True, max_size=1 << 22)
+        mr = DeviceMemoryResource(d, options)
+    else:
+        mr = gpu_serde.ArenaMemoryResource(d, 1 << 22)
+    buf = mr.allocate(4096, stream=d.default_stream)
+    pickle.dumps(buf)  # sent once from here: this process's broker holds it
+
+    def send_and_receive() -> str:
+        try:
+            gpu_serde.resolve(pickle.loads(pickle.dumps(buf)))  # the sender never fails
+        except gpu_serde.HandoffError as exc:
+            return str(exc)
+        return "received"
+
+    message = in_a_forked_child(send_and_receive)
+    assert f"belongs to pid {os.getpid()}" in message and "spawn" in message, message
+    buf.close()

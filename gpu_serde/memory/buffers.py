@@ -14,6 +14,7 @@ from cuda.core import Buffer, DeviceMemoryResource, PinnedMemoryResource, Virtua
 
 from gpu_serde import wire
 from gpu_serde.errors import HandoffError, NotIPCEnabledError
+from gpu_serde.inventory import forked_from
 from gpu_serde.memory import lifetime, pools, unsent, vmm
 from gpu_serde.memory.arena import exporter as arena
 from gpu_serde.memory.arena import importer as arena_importer
@@ -40,8 +41,8 @@ def reduction(buf: Buffer) -> tuple[Any, ...]:
 
     Raises:
         NotIPCEnabledError: its memory resource cannot cross processes without a copy.
-        HandoffError: it is closed and no longer held for importers, or the driver refused to
-            export it.
+        HandoffError: it is closed and no longer held for importers, the driver refused to
+            export it, or this process was forked from the one whose memory it is.
     """
     origin = lifetime.forwarded(buf)
     if origin is not None:
@@ -53,6 +54,13 @@ def reduction(buf: Buffer) -> tuple[Any, ...]:
                 "drops it when the key is released)"
             )
         return origin
+    parent = forked_from()
+    if parent is not None:  # its memory, and the broker that would hold it, are the parent's
+        raise HandoffError(
+            f"this Buffer's memory belongs to pid {parent}: this process was forked from it after "
+            f"CUDA was initialised there, and cannot send it. Send it from pid {parent}, or start "
+            "this process with the 'spawn' or 'forkserver' method"
+        )
     if not buf.handle:  # closed: cuda.core no longer says its memory resource
         return lifetime.sent_closed(buf)
     mr = buf.memory_resource

@@ -329,6 +329,7 @@ class Imported(MappedDeviceMemory, MemoryResource):
         self._hold = hold
         self._device = device
         self._freed = False
+        self._pid = os.getpid()  # a forked child's copy frees nothing: the mapping is the parent's
         self._user: weakref.ref[Any] | None = None  # the Buffer handed out, once made
 
     def hand_out(self, buf: Buffer) -> Buffer:
@@ -355,6 +356,8 @@ class Imported(MappedDeviceMemory, MemoryResource):
         if self._freed:
             return
         self._freed = True
+        if os.getpid() != self._pid:  # no driver call in a forked child; the hold is the parent's
+            return
         # during collection the Buffer's weak references are already dead: an explicit close
         # keeps it alive
         closed = self._user is not None and self._user() is not None
@@ -452,10 +455,11 @@ _left_by_fork: list[Any] = []
 
 def _after_fork_in_child() -> None:
     """A forked child holds none of its parent's imports (its copies of the parent's broker
-    connections are closed, the holds stay the parent's) and has no release thread."""
+    connections are closed, the holds stay the parent's; freeing its copy of a received buffer
+    does nothing) and has no release thread. What its parent received still travels on as it
+    came."""
     global lock, _releases, _stopped
     _live.clear()
-    _origin.clear()
     _sent.clear()  # the parent's holds, at the parent's broker
     # kept, never dropped: destroying a stream or a queued release's event calls the driver,
     # which a forked child must not do before it execs (it hangs on a lock another thread held)

@@ -60,14 +60,11 @@ _left_by_fork: list[Any] = []
 def _forget_after_fork() -> None:
     """A forked child imports afresh (CUDA does not survive a fork, and a receive there says so):
     its parent's imported pools are kept, never freed (freeing calls the driver, which a forked
-    child must not do before it execs), and still travel on as they came, as a parent's arena
-    regions do; a lock another thread held at the fork is not waited for. (Runs after
-    :mod:`~gpu_serde.memory.lifetime`'s own hook, registered first, which forgets what it
-    forwarded.)"""
+    child must not do before it execs), and still travel on as they came
+    (:mod:`~gpu_serde.memory.lifetime` forwards them), as a parent's arena regions do; a lock
+    another thread held at the fork is not waited for."""
     global _importing
     _left_by_fork.append(dict(_imported))
-    for mr, wire_payload in _imported.values():
-        lifetime.remember(mr, (wire.pool, (wire_payload,)))
     _imported.clear()
     _importing = {}
 
