@@ -175,6 +175,38 @@ def test_an_arena_and_its_buffers_come_back_to_their_exporter_as_its_own(gpu, ti
     assert pickle.loads(pickle.dumps(arena)) is arena
 
 
+DROP_AN_ARENA_NEVER_SENT = """
+import gc, time, gpu_serde
+from cuda.core import Device
+from gpu_serde.memory.broker import server
+d = Device(0)
+d.set_current()
+arena = gpu_serde.ArenaMemoryResource(d, 1 << 22)
+arena.allocate(4096).close()
+del arena
+gc.collect()
+time.sleep(0.5)  # the closer frees the region
+print(server._broker is None, flush=True)
+"""
+
+
+def test_an_arena_never_sent_is_freed_without_starting_a_broker(gpu, tier):
+    """Dropping an arena that never left its process opens no socket and starts no thread
+    beyond the arena's own closer."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=tier.uuid)
+    done = subprocess.run(
+        [sys.executable, "-c", DROP_AN_ARENA_NEVER_SENT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert done.stdout.strip() == "True", done.stderr[-2000:]
+
+
 def test_memory_from_another_host_is_the_typed_error(gpu, tier, monkeypatch):
     arena = ArenaMemoryResource(gpu, tier.size)
     buf = arena.allocate(tier.size // 2)

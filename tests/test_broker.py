@@ -397,6 +397,37 @@ def test_a_killed_holders_hold_comes_back_though_a_program_it_started_lives_on()
         b.close()
 
 
+FORKING_HOLDER = """
+import os, sys, time
+from gpu_serde.memory.broker import acquire, client
+acquire(sys.argv[1], bytes.fromhex(sys.argv[2]))
+# a descriptor of the holds file that no hook knows of, as one still on its way from the broker
+# when another thread forks: the child's copy would keep this process's locks alive
+os.dup(client._links[sys.argv[1]].file.fd)
+if os.fork() == 0:  # a worker that never execs (a DataLoader's, multiprocessing's fork)
+    time.sleep(30)
+    os._exit(0)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_killed_holders_hold_comes_back_though_a_child_it_forked_lives_on():
+    b = Broker()
+    let_go = []
+    try:
+        token = b.hold("a block", let_go.append, grace=0.1)
+        proc = holder(b.address, token, script=FORKING_HOLDER, start_new_session=True)
+        assert wait_for(lambda: b.holders() == {proc.pid: 1})
+        proc.kill()
+        proc.wait(10)
+        assert wait_for(lambda: let_go == ["a block"])  # the forked child still runs
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        b.close()
+
+
 def test_a_broken_connection_loses_no_note_the_next_one_carries_the_holds_again(monkeypatch):
     monkeypatch.setattr(server, "IDLE_S", 0.3)
     b = Broker()

@@ -466,6 +466,30 @@ def test_a_portable_buffer_that_cannot_be_copied_travels_as_the_reason(exporter,
         gpu_serde.resolve(got)
 
 
+def keep_blob(blob: bytes) -> dict:
+    """Job: unpickle a pickled buffer here, check it and keep it until ``drop``."""
+    return keep(pickle.loads(blob))
+
+
+def test_a_buffer_closed_after_sending_that_comes_back_to_its_exporter_is_a_typed_error(
+    exporter, tier, monkeypatch
+):
+    """``ray.get`` of the exporter's own ``ray.put``, or a task scheduled where the buffer was made,
+    hands the payload back to its exporter: a buffer closed there since is the typed error, never
+    a Buffer at address 0. Another process still reads an arena buffer closed after it was sent."""
+    buf = exporter.allocate(tier.size)
+    blob = pickle.dumps(buf)
+    buf.close()
+    with pytest.raises(gpu_serde.HandoffError, match="closed it after sending it"):
+        gpu_serde.resolve(pickle.loads(blob))
+    if exporter.kind == "arena":  # the block waits for the payload's receivers
+        with child(monkeypatch, tier.uuid) as c:
+            assert c.run(keep_blob, blob)["ok"]
+            assert c.run(drop, None)
+    del buf, blob
+    assert wait_until(exporter.all_back, timeout=GRACE + BOUND)
+
+
 # ---- an exiting importer ---------------------------------------------------------------------------
 
 READ_AFTER_GPU_SERDE_STOPPED = """
@@ -510,3 +534,37 @@ def test_a_buffer_read_after_gpu_serdes_exit_handler_starts_no_thread_and_its_ho
     assert wait_until(exporter.all_back, timeout=GRACE + BOUND)
     assert holders() == {}
     assert exporter.descriptors_back()
+
+
+# ---- what runs during garbage collection ---------------------------------------------------------
+
+
+def test_a_free_during_a_threads_first_retain_of_a_context_does_not_wait_for_itself(installed):
+    """A received buffer's free may run inside any allocation (a collection), also while this
+    very thread retains a device's context for the first time: it enters the same cache."""
+    import threading
+
+    from gpu_serde.memory import driver as _driver
+
+    def free_inside_a_retain() -> None:
+        with _driver._contexts_lock, _driver.context(0):  # (the free's own context)
+            pass
+
+    t = threading.Thread(target=free_inside_a_retain, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive()
+
+
+def test_an_object_that_cannot_be_watched_is_not_forwarded_and_leaves_no_note():
+    """Forwarding is noted only for an object whose end can be seen: a note under a reused
+    address would send a new object as the old one's payload."""
+    from gpu_serde.memory import lifetime
+
+    class Unwatchable:
+        __slots__ = ()
+
+    obj = Unwatchable()
+    with pytest.raises(TypeError):
+        lifetime.forward_as(obj, ("a payload",))
+    assert lifetime.forwarded(obj) is None

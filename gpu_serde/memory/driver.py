@@ -47,7 +47,9 @@ def check(call: str, result: tuple[Any, ...]) -> Any:
 
 
 _contexts: dict[int, Any] = {}  # device ordinal -> its primary context, retained for good
-_contexts_lock = threading.Lock()
+# re-entrant: a collection inside the first retain may free a received buffer on this thread,
+# whose free enters context() again
+_contexts_lock = threading.RLock()
 
 
 @contextlib.contextmanager
@@ -60,9 +62,9 @@ def context(ordinal: int) -> Iterator[None]:
             ctx = _contexts.get(ordinal)
             if ctx is None:
                 dev = check("cuDeviceGet", driver.cuDeviceGet(ordinal))
-                ctx = _contexts[ordinal] = check(
-                    "cuDevicePrimaryCtxRetain", driver.cuDevicePrimaryCtxRetain(dev)
-                )
+                retained = check("cuDevicePrimaryCtxRetain", driver.cuDevicePrimaryCtxRetain(dev))
+                # (a free re-entering here may have retained it first: one more retain, for good)
+                ctx = _contexts.setdefault(ordinal, retained)
     check("cuCtxPushCurrent", driver.cuCtxPushCurrent(ctx))
     try:
         yield
@@ -336,7 +338,7 @@ def _forget_after_fork() -> None:
     global _contexts_lock
     _left_by_fork.append(dict(_contexts))
     _contexts.clear()
-    _contexts_lock = threading.Lock()
+    _contexts_lock = threading.RLock()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)

@@ -179,6 +179,23 @@ def sent_closed(buf: Buffer) -> tuple[Any, ...]:
     )
 
 
+def back_home(held: object) -> Any:
+    """``held``, the original object a payload names, back in its exporter (``peek``'s answer,
+    not None): a buffer closed here after it was sent cannot be handed back.
+
+    Raises:
+        HandoffError: ``held`` is a closed Buffer.
+    """
+    if isinstance(held, Buffer) and not held.handle:
+        raise HandoffError(
+            "this Buffer came back to its exporter, which closed it after sending it: a closed "
+            "buffer cannot be used here (receivers in other processes still read it while they "
+            "hold it). Keep it open while this process may receive it back (ray.get of its own "
+            "ray.put, a task scheduled where it was made)"
+        )
+    return held
+
+
 def let_go_in_context(buf: Buffer) -> None:
     """An ``on_release`` for a buffer whose collection frees it: runs in the broker's release
     thread, which needs a context to free (the buffer's device's, or any for pinned memory)."""
@@ -197,10 +214,9 @@ def forwarded(obj: object) -> tuple[Any, ...] | None:
 def forward_as(obj: object, reduction: tuple[Any, ...]) -> None:
     """Forward ``obj`` as ``reduction`` while it lives (replacing how it came, if it was
     imported: a portable buffer stays portable when a hop passes it on)."""
-    new = id(obj) not in _origin
+    if id(obj) not in _origin:  # the finalizer first: an object it cannot watch is not noted
+        weakref.finalize(obj, _origin.pop, id(obj), None)  # (TypeError)
     _origin[id(obj)] = reduction
-    if new:
-        weakref.finalize(obj, _origin.pop, id(obj), None)
 
 
 def remember(obj: object, reduction: tuple[Any, ...]) -> None:
@@ -438,16 +454,25 @@ def start_release_thread() -> None:
     _release_thread.start()
 
 
+#: Called (no arguments, maybe twice) at the process's exit, after the release thread stopped: the
+#: other daemon threads that call the driver stop there too (an arena exporter's closer).
+on_exit: list[Callable[[], None]] = []
+
+
 def _stop_at_exit() -> None:
     """An exiting importer lets the release thread tell what was queued before the exit (within
     :data:`EXIT_WAIT_S`) and stop, so that no daemon thread calls the driver while the
     interpreter is torn down. What it still holds needs no message: the kernel releases a
-    process's locks in the exporters' holds files, and closes its connections, at its end."""
+    process's locks in the exporters' holds files, and closes its connections, at its end.
+    Then :data:`on_exit`."""
     _release_thread.close()  # an import after this queues its release for no thread
     worker = _release_thread.running()
     if worker is not None:
         _releases.put((_STOP, "", b"", -1))
         _stopped.wait(EXIT_WAIT_S)
+    for hook in on_exit:
+        with contextlib.suppress(Exception):
+            hook()
 
 
 _left_by_fork: list[Any] = []

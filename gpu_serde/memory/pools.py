@@ -265,7 +265,7 @@ def rebuild_buffer(payload: object) -> Buffer:
     if mr is _exported_pools.get(p.pool.pool):
         held = _broker.broker().peek(p.token, p.block)
         if held is not None:
-            return held  # back in the exporter: the original
+            return lifetime.back_home(held)  # back in the exporter: the original
     dev = Device(mr.device_id) if mr.device_id >= 0 else _driver.any_device()
     with Import(p.pool.address, p.token, p.block, dev.device_id) as hold:
         try:

@@ -341,7 +341,7 @@ def rebuild_buffer(payload: object) -> Buffer:
     if _broker.is_own(p.address):
         held = _broker.broker().peek(p.hold, p.block)
         if held is not None:
-            return held  # back in the exporter: the original
+            return lifetime.back_home(held)  # back in the exporter: the original
     mr = local_resource(p.resource, visible_peers_only=True)
     with Import(p.address, p.hold, p.block, mr.device.device_id) as hold:
         try:

@@ -43,6 +43,7 @@ from gpu_serde.memory import broker as _broker
 from gpu_serde.memory import driver as _driver
 from gpu_serde.memory import lifetime
 from gpu_serde.memory.arena.ranges import Ranges, align_up
+from gpu_serde.memory.background import Background
 
 #: region id -> the arena that exports it, in this process (back home, a payload is the original)
 _exported: weakref.WeakValueDictionary[bytes, ArenaMemoryResource] = weakref.WeakValueDictionary()
@@ -86,6 +87,7 @@ class _Region:
         self.frees: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()  # from deallocate
         self.spare: list[Any] = []  # events to record frees with
         self.recording = threading.Lock()
+        self.pid = os.getpid()  # a forked child's copy frees nothing: the region is the parent's
 
     def _new_event(self) -> tuple[Any, bytes]:
         try:
@@ -152,6 +154,8 @@ class _Region:
     def freed(self, ptr: int, stream: Any) -> None:
         """Block ``ptr`` was freed on ``stream`` (from ``deallocate``: any thread, maybe during
         garbage collection): record an event there and queue it. Never raises, takes no lock."""
+        if os.getpid() != self.pid:  # no driver call in a forked child: the block is the parent's
+            return
         event = None
         with contextlib.suppress(Exception), _driver.context(self.ordinal):
             try:
@@ -218,11 +222,14 @@ class _Region:
             return {"free": self.ranges.free, "largest": self.ranges.largest_free, "held": held}
 
     def close(self) -> None:
-        """Free the region here (when its resource is collected, or at exit). Never raises."""
+        """Free the region here (when its resource is collected). Never raises."""
+        if os.getpid() != self.pid:  # a forked child's copy: the region is the parent's
+            return
         with contextlib.suppress(Exception):
-            b = _broker.broker()
-            for token in self.tokens:
-                b.revoke(token)
+            if self.tokens:  # sent: the broker has started (a region never sent starts none)
+                b = _broker.broker()
+                for token in self.tokens:
+                    b.revoke(token)
         events = [self.event, *self.spare, *(e for _, e in self.pending if e is not None)]
         _driver.destroy(self.ordinal, events)
         _driver.unmap(self.ordinal, self.base, self.size)
@@ -230,23 +237,45 @@ class _Region:
 
 # Closing a region takes the broker's lock and calls the driver: never inside a finalizer, which
 # may run during garbage collection while this very thread holds that lock. Finalizers only queue
-# the region; this thread (started with the first arena, in an ordinary call) closes it.
-_closing: queue.SimpleQueue[_Region] = queue.SimpleQueue()
-_closer: threading.Thread | None = None
-_closer_lock = threading.Lock()
+# the region; this thread (started with the first arena, in an ordinary call) closes it, and stops
+# at the process's exit, with the release thread (no driver call while Python is torn down).
+_closing: queue.SimpleQueue[_Region | None] = queue.SimpleQueue()
+_closer_stopped = threading.Event()
 
 
 def _close_regions() -> None:
     while True:
-        _closing.get().close()
+        region = _closing.get()
+        if region is None:  # the exit's mark: every region queued before it is closed
+            _closer_stopped.set()
+            return
+        region.close()
+
+
+_closer = Background("gpu_serde-arena", _close_regions)
 
 
 def _start_closer() -> None:
-    global _closer
-    with _closer_lock:
-        if _closer is None or not _closer.is_alive():
-            _closer = threading.Thread(target=_close_regions, name="gpu_serde-arena", daemon=True)
-            _closer.start()
+    _closer.start()
+
+
+def _stop_closer_at_exit() -> None:
+    _closer.close()
+    if _closer.running() is not None:
+        _closing.put(None)
+        _closer_stopped.wait(lifetime.EXIT_WAIT_S)
+
+
+def _forget_after_fork() -> None:
+    """A forked child closes none of its parent's regions (their finalizers queue them where no
+    thread reads); a region of its own gets a closer of its own."""
+    global _closing, _closer_stopped
+    _closing, _closer_stopped = queue.SimpleQueue(), threading.Event()
+    _closer.forget()
+
+
+lifetime.on_exit.append(_stop_closer_at_exit)
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 class ArenaMemoryResource(lifetime.DeviceMemory, MemoryResource):

@@ -277,7 +277,7 @@ def receive(p: AbufPayload, payload: tuple[Any, ...], what: str = ARENA_MEMORY) 
                 "this arena buffer came back to its exporter after every importer released it: "
                 "send it again"
             )
-        return held  # the original buffer
+        return lifetime.back_home(held)  # the original buffer
     arena = _imported_arena(p.region, payload[1], what)
     region = arena._region
     with Import(p.region.address, p.hold, p.block, region.ordinal) as hold:

@@ -46,7 +46,7 @@ import time
 from gpu_serde.errors import ExporterGoneError, HandoffError, TokenRefusedError
 from gpu_serde.memory.background import Background
 from gpu_serde.memory.broker import holdsfile
-from gpu_serde.memory.broker.holdsfile import HoldsFile
+from gpu_serde.memory.broker.holdsfile import HoldsFile, watch_forks
 
 TOKEN_BYTES = 16
 CHECK_BYTES = 16
@@ -468,9 +468,13 @@ def _flush_pending() -> None:
                     continue
                 if sock is not None:
                     waiting.append(sock)
-            if waiting:
-                with contextlib.suppress(OSError, ValueError):
-                    select.select([], waiting, [], 0.05)  # until one can take more
+            if waiting:  # until one can take more (poll: select refuses descriptors >= 1024)
+                poller = select.poll()
+                for sock in waiting:
+                    with contextlib.suppress(OSError, ValueError):  # closed meanwhile
+                        poller.register(sock, select.POLLOUT)
+                with contextlib.suppress(OSError):
+                    poller.poll(50)
         if _exiting:
             return
 
@@ -557,6 +561,7 @@ def _holds_file(link: _Link, address: str, deadline: float, timeout: float) -> H
     """The broker's holds file, as this process sees it: fetched over ``link`` the first time."""
     if link.file is not None:
         return link.file
+    watch_forks()  # a fork while the descriptor is on its way leaves the child no copy of it
     msg, fds = _request(link, address, HOLDS_FILE, bytes(TOKEN_BYTES), NO_CHECK, deadline, timeout)
     if msg != OK or len(fds) != 1:
         for fd in fds:

@@ -86,6 +86,39 @@ def write_locked(fd: int, offset: int) -> bool:
     return _lock(fd, fcntl.F_RDLCK, offset, fcntl.F_OFD_GETLK) != fcntl.F_UNLCK
 
 
+_NAME = "gpu_serde-holds"  # the memory file's name, as /proc/self/fd shows it
+_watching_forks = False
+
+
+def watch_forks() -> None:
+    """From now on a child forked from this process closes every descriptor of a holds file it
+    inherited, once the fork hooks of the broker and its client have closed those they know:
+    also one that was being handed over at the fork, which only its owner's thread knew of. Such
+    a copy would keep its parent's locks (the holds, and an exporter's mark of life) after the
+    parent died, for an open file description's locks go only with its last descriptor.
+    Called before this process first receives or makes a holds file; registered once, after the
+    modules' own hooks."""
+    global _watching_forks
+    if not _watching_forks:
+        _watching_forks = True
+        os.register_at_fork(after_in_child=_close_inherited)
+
+
+def _close_inherited() -> None:
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue  # the listing's own descriptor, closed by now
+        if target.startswith(f"/memfd:{_NAME}"):
+            with contextlib.suppress(OSError):
+                os.close(int(name))
+
+
 class HoldsFile:
     """One side's view of a broker's holds file: its descriptor, an open file description of its
     own (read-write for the exporter, read-only for importers)."""
@@ -98,7 +131,8 @@ class HoldsFile:
     @classmethod
     def create(cls) -> HoldsFile:
         """The exporter's: a new, empty file, write-locked at :data:`ALIVE` for its life."""
-        fd = os.memfd_create("gpu_serde-holds", os.MFD_CLOEXEC)
+        watch_forks()
+        fd = os.memfd_create(_NAME, os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, SLOTS * SLOT_BYTES)  # sparse: only written slots take memory
             _lock(fd, fcntl.F_WRLCK, ALIVE)
