@@ -1,21 +1,37 @@
-# Sourced by scripts/demo and scripts/test: make .venv (once) and install the project into it.
+# Sourced by scripts/demo, scripts/test and scripts/test-fast: make .venv (once) and install the
+# project into it, saying so first. Everything stays in the checkout: .venv/, pip's cache and the
+# simulated driver in .cache/. A caller that runs the tests sets `for_tests=1` before sourcing:
+# then the dev tools and torch (the CPU tier's tensor tests) come too, which the demo needs not.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv="$root/.venv"
-stamp="$venv/.gpu_serde-installed"
-if [ ! -x "$venv/bin/python" ]; then
-  "${PYTHON:-python3}" -m venv "$venv"  # PYTHON=python3.10 scripts/test: another interpreter
+export PIP_CACHE_DIR="${PIP_CACHE_DIR:-$root/.cache/pip}"
+# the simulated driver is built inside the checkout (gitignored), not in ~/.cache
+export GPU_SERDE_CACHE_DIR="${GPU_SERDE_CACHE_DIR:-$root/.cache/gpu_serde}"
+if [ "${for_tests:-0}" = 1 ]; then
+  extras="all,dev"
+  stamp="$venv/.gpu_serde-installed-for-tests"
+else
+  extras="all"
+  stamp="$venv/.gpu_serde-installed"
 fi
 if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
+  echo "gpu_serde: setting up $venv (once): pip installs gpu_serde[$extras]" \
+    "$([ "$extras" = all ] || echo "and torch's CPU build ")into it; nothing outside the checkout" >&2
+  if [ ! -x "$venv/bin/python" ]; then
+    "${PYTHON:-python3}" -m venv "$venv"  # PYTHON=python3.10 scripts/test: another interpreter
+  fi
   "$venv/bin/python" -m pip install -q --upgrade pip
-  "$venv/bin/python" -m pip install -q -e "$root[all,dev]"
+  "$venv/bin/python" -m pip install -q -e "$root[$extras]"
   # torch for the CPU tier's tensor tests (tests/test_tensors.py), on Python 3.11 only: there the
   # package index has this CPU build; any other spelling or Python pulls a CUDA build of several
   # GB. The other Pythons (the version matrix) skip those tests, saying why.
-  if "$venv/bin/python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+  if [ "$extras" != all ] &&
+    "$venv/bin/python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
     "$venv/bin/python" -m pip install -q "torch==2.13.0"
   fi
   touch "$stamp"
+  [ "$extras" = all ] || touch "$venv/.gpu_serde-installed"  # what the demo needs is there too
 fi
 export PATH="$venv/bin:$PATH"
 cd "$root"
