@@ -113,6 +113,19 @@ def test_a_negative_expect_is_refused_by_the_parser():
     assert "must be 0 or more" in done.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("simulate", "abc"), "argument COUNT: a number of GPUs, 1 to 64, not 'abc'"),
+        (("simulate", "65"), "must be 1 to 64 GPUs, not 65"),
+    ],
+)
+def test_a_count_that_is_not_one_says_what_it_takes(args, says):
+    done = gpu_serde_cli(*args)
+    assert done.returncode == 2
+    assert says in done.stderr and "_positive" not in done.stderr
+
+
 def test_register_names_the_client_type_it_takes():
     with pytest.raises(TypeError, match=r"takes a distributed.Client, not str"):
         gpu_serde.dask.register("nope")

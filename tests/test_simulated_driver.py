@@ -60,11 +60,65 @@ report(name=d.name, uuid=d.uuid, cc=list(d.compute_capability), pci=gpu_serde.vi
     assert got == {"name": GPUS[1].name, "uuid": B[4:], "cc": [9, 0], "pci": GPUS[1].pci_bus_id}
 
 
-def test_a_bad_gpu_description_is_refused():
+@pytest.mark.parametrize(
+    ("fields", "error", "says"),
+    [
+        ({"name": "a|b"}, ValueError, "not allowed"),
+        ({"name": "a\nb"}, ValueError, "control characters"),
+        ({"uuid": "nonsense"}, ValueError, "starts with 'GPU-'"),
+        ({"uuid": "GPU-123"}, ValueError, "32 hex digits"),
+        ({"uuid": B[4:]}, ValueError, "starts with 'GPU-'"),  # cuda.core's bare spelling
+        ({"pci_bus_id": "19:00.0"}, ValueError, "DDDD:BB:DD.F"),
+        ({"name": 7}, TypeError, "a str, not int"),
+    ],
+)
+def test_a_bad_gpu_description_is_refused_when_it_is_made(fields, error, says):
     from gpu_serde.testing import SimulatedGPU
 
-    with pytest.raises(ValueError, match="not allowed"):
-        SimulatedGPU(A, name="a|b").spec()
+    with pytest.raises(error, match=says):
+        SimulatedGPU(**{"uuid": A, **fields})
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "says"),
+    [
+        (lambda: make_gpus(0), ValueError, "1 to 64"),
+        (lambda: make_gpus(65), ValueError, "1 to 64"),
+        (lambda: make_gpus(2.0), TypeError, "an int, not float"),
+        (lambda: child_env([*GPUS, GPUS[0]]), ValueError, "two simulated GPUs have the UUID"),
+        (lambda: child_env([]), ValueError, "1 to 64"),
+        (lambda: child_env(GPUS[0]), TypeError, "a list of SimulatedGPU"),
+        (lambda: child_env([A]), TypeError, "SimulatedGPU objects"),
+        (lambda: child_env(GPUS, visible=5), TypeError, "CUDA_VISIBLE_DEVICES string"),
+        (lambda: child_env(GPUS, visible=[0, None]), TypeError, "not NoneType"),
+    ],
+)
+def test_a_bad_simulated_host_is_refused(make, error, says):
+    with pytest.raises(error, match=says):
+        make()
+
+
+def test_sixty_four_gpus_have_distinct_pci_ids_in_the_drivers_form():
+    gpus = make_gpus(64)
+    assert len({g.pci_bus_id for g in gpus}) == 64
+    got = run_child(LIST, child_env(gpus, "63"))
+    assert got["uuids"] == [gpus[63].uuid]
+
+
+ACTIVATE_TWICE = """
+from gpu_serde.testing import SimulatedDriverError, activate, make_gpus
+activate(make_gpus(2))
+activate(make_gpus(2))  # the same GPUs again: harmless
+try:
+    activate(make_gpus(3))
+except SimulatedDriverError as exc:
+    report(error=str(exc))
+"""
+
+
+def test_a_process_that_simulates_gpus_refuses_to_simulate_others():
+    got = run_child(ACTIVATE_TWICE, child_env(GPUS))
+    assert "already simulates 2 other GPU(s)" in got["error"]
 
 
 def test_it_does_not_shadow_a_real_driver_unless_asked(tmp_path, monkeypatch):

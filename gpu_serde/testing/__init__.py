@@ -37,6 +37,7 @@ import ctypes
 import ctypes.util
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -47,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_serde.hostid import HOST_ENV
+from gpu_serde.identity import canonical_uuid
 
 __all__ = [
     "SimulatedDriverError",
@@ -79,28 +81,75 @@ class SimulatedDriverError(RuntimeError):
     """The simulated driver cannot be built or used here (no C compiler, a real driver present)."""
 
 
+_PCI = re.compile(r"[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]")
+#: The most simulated GPUs one host may have (as ``gpu-serde simulate`` allows).
+MAX_GPUS = 64
+
+
 @dataclass(frozen=True)
 class SimulatedGPU:
-    """One simulated GPU: a canonical ``GPU-``/``MIG-`` UUID, a name and a PCI bus id."""
+    """One simulated GPU: a ``GPU-``/``MIG-`` UUID (32 hex digits, 8-4-4-4-12), a name and a PCI
+    bus id (``DDDD:BB:DD.F``), checked when it is made.
+
+    Raises:
+        TypeError: a field is not a str.
+        ValueError: the UUID or PCI bus id is malformed, or a field has ``|``, ``;`` or a control
+            character (they separate entries of ``GPU_SERDE_SIM_GPUS``).
+    """
 
     uuid: str
     name: str = "NVIDIA H200 (simulated)"
     pci_bus_id: str = "0000:00:00.0"
 
+    def __post_init__(self) -> None:
+        for field_name in ("uuid", "name", "pci_bus_id"):
+            text = getattr(self, field_name)
+            if not isinstance(text, str):
+                raise TypeError(f"SimulatedGPU({field_name}=...): a str, not {type(text).__name__}")
+            if any(c in text for c in "|;") or not text.isprintable():
+                raise ValueError(
+                    f"SimulatedGPU({field_name}={text!r}): '|', ';' and control characters are "
+                    "not allowed in a simulated GPU"
+                )
+        if self.uuid[:4].upper() not in ("GPU-", "MIG-"):
+            raise ValueError(
+                f"SimulatedGPU(uuid={self.uuid!r}): a GPU UUID starts with 'GPU-' (or 'MIG-'), "
+                "as nvidia-smi -L prints it; make_gpus(n) makes valid ones"
+            )
+        try:
+            canonical_uuid(self.uuid)
+        except ValueError as exc:
+            raise ValueError(f"SimulatedGPU(uuid=...): {exc}") from None
+        if not _PCI.fullmatch(self.pci_bus_id):
+            raise ValueError(
+                f"SimulatedGPU(pci_bus_id={self.pci_bus_id!r}): expected DDDD:BB:DD.F in hex, "
+                "as 0000:19:00.0"
+            )
+
     def spec(self) -> str:
         """This GPU as one entry of ``GPU_SERDE_SIM_GPUS`` (``UUID|NAME|PCI``)."""
-        for text in (self.name, self.pci_bus_id):
-            if any(c in text for c in "|;"):
-                raise ValueError(f"{text!r}: '|' and ';' are not allowed in a simulated GPU")
         return f"{self.uuid}|{self.name}|{self.pci_bus_id}"
 
 
 def make_gpus(count: int, *, seed: str = "gpu_serde") -> list[SimulatedGPU]:
-    """Return ``count`` simulated GPUs with distinct, deterministic UUIDs and PCI ids."""
+    """Return ``count`` simulated GPUs with distinct, deterministic UUIDs and PCI ids (``seed``
+    makes another set, for a second simulated host).
+
+    Raises:
+        TypeError: ``count`` is not an int, or ``seed`` not a str.
+        ValueError: ``count`` is not 1 to :data:`MAX_GPUS`.
+    """
+    if not isinstance(count, int) or isinstance(count, bool):
+        raise TypeError(f"make_gpus(count=...): an int, not {type(count).__name__}")
+    if not 1 <= count <= MAX_GPUS:
+        raise ValueError(f"make_gpus(count=...): 1 to {MAX_GPUS} GPUs, not {count}")
+    if not isinstance(seed, str):
+        raise TypeError(f"make_gpus(seed=...): a str, not {type(seed).__name__}")
     gpus = []
     for i in range(count):
         u = _uuid.uuid5(_uuid.NAMESPACE_OID, f"{seed}/{i}")
-        gpus.append(SimulatedGPU(f"GPU-{u}", pci_bus_id=f"0000:{0x19 + 0x10 * i:02x}:00.0"))
+        bus = f"{i // 15:04x}:{0x19 + 0x10 * (i % 15):02x}:00.0"  # 15 buses per PCI domain
+        gpus.append(SimulatedGPU(f"GPU-{u}", pci_bus_id=bus))
     return gpus
 
 
@@ -176,13 +225,43 @@ def real_driver_present(env: Mapping[str, str] | None = None) -> bool:
 
 
 def _spec(gpus: Iterable[SimulatedGPU]) -> str:
+    """``GPU_SERDE_SIM_GPUS`` for ``gpus``: one to :data:`MAX_GPUS` distinct GPUs."""
+    if isinstance(gpus, (str, SimulatedGPU)) or not isinstance(gpus, Iterable):
+        raise TypeError(
+            f"gpus: a list of SimulatedGPU (make_gpus(n) makes one), not {type(gpus).__name__}"
+        )
+    gpus = list(gpus)
+    wrong = [type(g).__name__ for g in gpus if not isinstance(g, SimulatedGPU)]
+    if wrong:
+        raise TypeError(f"gpus: SimulatedGPU objects (make_gpus(n) makes them), not {wrong[0]}")
+    if not 1 <= len(gpus) <= MAX_GPUS:
+        raise ValueError(f"gpus: 1 to {MAX_GPUS} simulated GPUs, not {len(gpus)}")
+    for key, what in (("uuid", "UUID"), ("pci_bus_id", "PCI bus id")):
+        seen = [canonical_uuid(g.uuid) if key == "uuid" else g.pci_bus_id.lower() for g in gpus]
+        twice = sorted({v for v in seen if seen.count(v) > 1})
+        if twice:
+            raise ValueError(
+                f"gpus: two simulated GPUs have the {what} {twice[0]}; each GPU of a host has its "
+                "own (make_gpus(n) makes distinct ones)"
+            )
     return ";".join(g.spec() for g in gpus)
 
 
-def _visible_value(visible: str | Iterable[str | int] | None) -> str | None:
+def _visible_value(visible: object, what: str = "visible") -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` for ``visible``: None (unset), a str as is, or UUIDs/ordinals
+    joined with commas."""
     if visible is None or isinstance(visible, str):
         return visible
-    return ",".join(str(v) for v in visible)
+    if not isinstance(visible, Iterable):
+        raise TypeError(
+            f"{what}: a CUDA_VISIBLE_DEVICES string, or a list of GPU UUIDs and ordinals, not "
+            f"{type(visible).__name__}"
+        )
+    entries = list(visible)
+    for v in entries:
+        if isinstance(v, bool) or not isinstance(v, (str, int)):
+            raise TypeError(f"{what}: GPU UUIDs (str) and ordinals (int), not {type(v).__name__}")
+    return ",".join(str(v) for v in entries)
 
 
 def child_env(
@@ -211,12 +290,12 @@ def child_env(
             "a real CUDA driver is present here; gpu_serde will not shadow it with simulated GPUs "
             "(pass allow_real_driver=True to do so anyway)"
         )
+    spec, value = _spec(gpus), _visible_value(visible)
     env = dict(os.environ if base is None else base)
     folder = str(driver_dir())
     paths = [p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p and p != folder]
     env["LD_LIBRARY_PATH"] = ":".join([folder, *paths])
-    env[SPEC_ENV] = _spec(gpus)
-    value = _visible_value(visible)
+    env[SPEC_ENV] = spec
     if value is None:
         env.pop("CUDA_VISIBLE_DEVICES", None)
     else:
@@ -238,9 +317,20 @@ def activate(
     effect here.
 
     Raises:
-        SimulatedDriverError: a real driver is loaded or present (see :func:`child_env`).
+        SimulatedDriverError: a real driver is loaded or present (see :func:`child_env`), or this
+            process already simulates other GPUs (a process's GPUs are fixed once the driver is
+            loaded: start another process, e.g. with :func:`child_env`).
+        TypeError, ValueError: ``gpus`` or ``visible`` is malformed (see :class:`SimulatedGPU`).
     """
+    global _active
     env = child_env(gpus, visible, allow_real_driver=allow_real_driver)
+    if _active is not None and _active != env[SPEC_ENV]:
+        raise SimulatedDriverError(
+            f"this process already simulates {_active.count(';') + 1} other GPU(s) "
+            f"({_active.split('|', 1)[0]}, ...): a process's GPUs are fixed once the driver is "
+            "loaded; run the other GPUs in another process (child_env(gpus) is its environment)"
+        )
+    _active = env[SPEC_ENV]
     for key in ("LD_LIBRARY_PATH", SPEC_ENV):
         os.environ[key] = env[key]
     if "CUDA_VISIBLE_DEVICES" in env:
@@ -250,6 +340,9 @@ def activate(
     folder = env["LD_LIBRARY_PATH"].split(":")[0]
     for name in _LIBRARIES:
         ctypes.CDLL(os.path.join(folder, name), mode=os.RTLD_GLOBAL)
+
+
+_active: str | None = None  # the GPUs this process simulates (GPU_SERDE_SIM_GPUS), once activated
 
 
 def violations() -> int:
@@ -297,12 +390,28 @@ def spec_cluster_options(
     """
     from distributed import Nanny, Scheduler  # only for those who start a Dask cluster
 
+    if not isinstance(layout, Mapping) or not layout:
+        raise TypeError(
+            "spec_cluster_options(layout=...): a non-empty dict of worker name -> its "
+            f"CUDA_VISIBLE_DEVICES, not {type(layout).__name__ if layout else 'an empty one'}"
+        )
+    if not isinstance(nthreads, int) or isinstance(nthreads, bool) or nthreads < 1:
+        raise ValueError(f"spec_cluster_options(nthreads=...): 1 or more, not {nthreads!r}")
+    visible: dict[str, str] = {}
+    for name, cvd in layout.items():
+        value = _visible_value(cvd, f"spec_cluster_options(layout[{name!r}])")
+        if value is None:
+            raise TypeError(
+                f"spec_cluster_options(layout[{name!r}]): the worker's CUDA_VISIBLE_DEVICES "
+                '("" for no GPU), not None'
+            )
+        visible[name] = value
     workers = {
         name: {
             "cls": Nanny,
             "options": {"nthreads": nthreads, "host": host, "env": _worker_env(name, cvd, hosts)},
         }
-        for name, cvd in layout.items()
+        for name, cvd in visible.items()
     }
     scheduler = {"cls": Scheduler, "options": {"host": host, "dashboard_address": ":0"}}
     return {"workers": workers, "scheduler": scheduler}
@@ -320,7 +429,9 @@ def ray_node_options(
     the node's processes another host identity (``GPU_SERDE_HOST_ID``, :mod:`gpu_serde.hostid`).
     Merge your own options in: ``add_node(num_cpus=2, **ray_node_options(...))``.
     """
-    value = visible if isinstance(visible, str) else ",".join(str(v) for v in visible)
+    value = _visible_value(visible, "ray_node_options(visible=...)")
+    if value is None:
+        raise TypeError("ray_node_options(visible=...): the node's CUDA_VISIBLE_DEVICES, not None")
     env = {"CUDA_VISIBLE_DEVICES": value}
     if host is not None:
         env[HOST_ENV] = host

@@ -161,14 +161,20 @@ def _non_negative(text: str) -> int:
 
 
 def _positive_count(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of GPUs, 1 to 64, not {text!r}") from None
     if not 1 <= value <= 64:
         raise argparse.ArgumentTypeError(f"must be 1 to 64 GPUs, not {value}")
     return value
 
 
 def _positive_seconds(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of seconds, not {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be more than 0 seconds, not {text}")
     return value
