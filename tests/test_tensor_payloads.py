@@ -303,3 +303,9 @@ def test_a_handoff_error_kind_is_what_an_unexpected_rebuild_failure_becomes(inst
         pytest.skip("CuPy is importable here")
     with pytest.raises(HandoffError, match="cannot import cupy"):
         gpu_serde.resolve(got)
+
+
+@pytest.mark.parametrize("x", [None, 42, "x", b"bytes", [1.0, 2.0]], ids=type)
+def test_place_names_what_it_takes_for_what_is_no_tensor(x):
+    with pytest.raises(TypeError, match=r"torch\.Tensor, cupy\.ndarray, or the placeholder"):
+        gpu_serde.tensors.place(x, "cpu")

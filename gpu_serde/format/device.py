@@ -87,8 +87,20 @@ def fail(what: str, payload: object) -> PayloadError:
     return PayloadError(f"invalid gpu_serde payload: {what} (got {_safe_repr(payload)})")
 
 
+#: Versions above this are read as noise, not as a newer gpu_serde's payload.
+LIKELY_VERSIONS = 64
+
+
 def version_error(kind: str, version: object, payload: object) -> PayloadError:
-    """The :class:`PayloadError` for a ``kind`` payload of a version this gpu_serde cannot read."""
+    """The :class:`PayloadError` for a ``kind`` payload of a version this gpu_serde cannot read
+    (or, for a version no gpu_serde would write, one that is no gpu_serde payload)."""
+    if not (type(version) is int and 0 < version <= LIKELY_VERSIONS):
+        return fail(
+            f"not a {kind} payload of any gpu_serde version (it starts with "
+            f"{_safe_repr(version)}, not a version): the pickle was made by something else, or "
+            "damaged on its way",
+            payload,
+        )
     return fail(
         f"{kind} payload version {_safe_repr(version)} is not understood by this gpu_serde (it "
         f"reads version {VERSION}); install the same gpu_serde version on every process of the "
@@ -135,6 +147,12 @@ def _explain(p: object) -> PayloadError:
         return fail(f"expected bytes, not {type(p).__name__}", p)
     if len(p) == 0:
         return fail("empty", p)
+    if p[0] != VERSION and len(p) < MIN_SIZE:  # no version's payload is that short
+        return fail(
+            f"not a device payload of any gpu_serde version ({len(p)} bytes, every version's has "
+            f"at least {MIN_SIZE}): the pickle was made by something else, or damaged on its way",
+            p,
+        )
     if p[0] != VERSION:
         return version_error("device", p[0], p)
     if len(p) < MIN_SIZE:

@@ -5,6 +5,7 @@ so a process without the GPU (or without torch) gets a placeholder, never an unt
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from gpu_serde import wire
@@ -62,12 +63,18 @@ def place(x: Any, device: Any) -> Any:
         PayloadError: the placeholder carries no bytes (shared memory, or a malformed
             payload): only the GPU it names can use it; or its error, if it is not a by-value
             payload.
+        TypeError: ``x`` is none of those.
     """
     if not isinstance(x, UnresolvedObject):
-        if hasattr(x, "to"):
+        torch, cupy = sys.modules.get("torch"), sys.modules.get("cupy")  # imported if x is theirs
+        if torch is not None and isinstance(x, torch.Tensor):
             return x.to(device)
-        cupy = module("cupy")
-        return cupy.place_array(x, device)
+        if cupy is not None and isinstance(x, cupy.ndarray):
+            return module("cupy").place_array(x, device)
+        raise TypeError(
+            "gpu_serde.tensors.place(x, device): x is a received torch.Tensor, cupy.ndarray, or "
+            f"the placeholder a tensor sent by value became; not {type(x).__name__}"
+        )
     if x._rebuild is not wire.tval or len(x._args) != 1:
         raise x._error()
     try:
