@@ -105,6 +105,19 @@ def test_a_buffer_allocated_on_a_stream_of_its_own_reaches_a_child(gpu, tier, mo
     assert got["ok"] and got["size"] == tier.size // 2
 
 
+@pytest.mark.parametrize(
+    ("device", "size", "says"),
+    [
+        ("GPU-x", 1 << 20, "a cuda.core Device or this process's ordinal, not str"),
+        (True, 1 << 20, "not bool"),
+        (0, 1.5, "size=...\\): an int, not float"),
+    ],
+)
+def test_a_wrong_argument_says_what_it_takes(installed, device, size, says):
+    with pytest.raises(TypeError, match=says):
+        ArenaMemoryResource(device, size)
+
+
 def test_a_full_arena_raises_arena_full_error_that_says_how_big_to_make_it(gpu, tier):
     arena = ArenaMemoryResource(gpu, tier.size)
     kept = arena.allocate(tier.size // 2)

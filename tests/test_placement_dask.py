@@ -199,6 +199,45 @@ def test_a_gpu_no_worker_sees_raises_at_on_naming_every_worker(dask_cluster):
     assert "no GPU (CUDA_VISIBLE_DEVICES is empty" in text  # the blind worker
 
 
+def test_a_tensor_placeholder_routes_by_its_gpu_and_a_malformed_one_by_its_own_error(
+    dask_cluster,
+):
+    from gpu_serde.wire import tval
+
+    client, _, uuids, _ = dask_cluster
+    meta = ("torch", "Tensor", "float32", 4, (4,), (1,), 0, False)
+
+    def tensor_of(uuid: str) -> object:  # a CUDA tensor sent by value, as this process holds it
+        dev = encode_device(uuid_bytes(uuid), False, 0, 1, "elsewhere", "NVIDIA H200")
+        return tval((1, dev, meta, 0, 16, bytes(16)))
+
+    stranger = tensor_of(OTHER_HOST_GPU)
+    assert isinstance(stranger, gpu_serde.UnresolvedObject)
+    with pytest.raises(gpu_serde.DeviceNotVisibleError) as info:
+        gpu_serde.dask.on(stranger, client)  # routed by its GPU, which no worker sees
+    assert info.value.uuid == OTHER_HOST_GPU and "w3" in str(info.value)
+    malformed = tval((1, b"hello", meta, 0, 0, b""))
+    with pytest.raises(gpu_serde.PayloadError, match="not a device payload"):
+        gpu_serde.dask.on(malformed, client)
+
+
+NO_CLIENT = """
+import gpu_serde.dask
+from cuda.core import Device
+try:
+    gpu_serde.dask.on(Device(0))
+except ValueError as exc:
+    report(error=str(exc))
+"""
+
+
+def test_on_without_a_client_says_to_make_or_pass_one(sim_env):
+    from helpers import run_child
+
+    got = run_child(NO_CLIENT, sim_env())
+    assert "create a distributed.Client first, or pass one as client=" in got["error"]
+
+
 def test_the_dask_quick_start_runs_as_written_against_a_scheduler(dask_cluster):
     # tests/test_doc_blocks.py runs it on a local cluster of its own (Client() starts one);
     # here Client() finds the scheduler of workers that each own a GPU

@@ -115,6 +115,19 @@ def test_place_moves_a_tensor_that_arrived_as_a_tensor():
     assert gpu_serde.tensors.place(CASES["contiguous"], "cpu") is CASES["contiguous"]
 
 
+@pytest.mark.parametrize(
+    ("make", "error", "says"),
+    [
+        (lambda: torch.nn.Linear(2, 2), ValueError, "this Linear holds no CUDA tensor"),
+        (lambda: torch.zeros(2), ValueError, r"this tensor \(on cpu\) holds no CUDA tensor"),
+        (lambda: [torch.zeros(2)], TypeError, "takes a torch.nn.Module or a torch.Tensor, not list"),
+    ],
+)
+def test_to_arena_of_what_is_not_on_a_gpu_says_to_move_it_there_first(make, error, says):
+    with pytest.raises(error, match=says):
+        gpu_serde.tensors.to_arena(make())
+
+
 def test_a_non_float_payload_that_asks_for_grad_is_a_payload_error(installed):
     payload = cpu_payload(CASES["expanded"])
     meta = (*payload[2][:7], True)

@@ -132,10 +132,17 @@ def on(device: Any, client: Any = None, *, exclusive: bool = True) -> dict[str, 
         DeviceNotVisibleError: no worker sees that GPU; the message lists every worker's GPUs.
         TypeError, PlacementError: ``device`` is not one of those, or names several GPUs;
             ``client`` is asynchronous (TypeError).
+        ValueError: no ``client`` was given and this process has none.
     """
     uuid = target_uuid(device)
     if client is None:
-        client = get_client()
+        try:
+            client = get_client()
+        except ValueError:  # distributed's "No global client found and no address provided"
+            raise ValueError(
+                "gpu_serde.dask.on() asks the scheduler which worker sees the GPU: create a "
+                "distributed.Client first, or pass one as client=..."
+            ) from None
     if getattr(client, "asynchronous", False):
         raise TypeError("gpu_serde.dask.on() needs a synchronous Client (it asks the scheduler)")
     info: dict[str, Any] = client.scheduler_info(n_workers=-1)["workers"]

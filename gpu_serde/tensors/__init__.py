@@ -133,6 +133,9 @@ def to_arena(model: Any, arena: ArenaMemoryResource | None = None) -> Any:
 
     Raises:
         ArenaFullError: ``arena`` has no room for them.
+        TypeError: ``model`` is neither a ``torch.nn.Module`` nor a ``torch.Tensor``.
+        ValueError: it holds no CUDA tensor (move it to its GPU first: ``model.cuda()``); a
+            module's tensors on the CPU stay there.
     """
     import torch
 
@@ -141,8 +144,24 @@ def to_arena(model: Any, arena: ArenaMemoryResource | None = None) -> Any:
         new.copy_(t.detach())
         return new
 
+    def none_on_a_gpu(what: str) -> ValueError:
+        return ValueError(
+            f"gpu_serde.tensors.to_arena: {what} holds no CUDA tensor, and only CUDA tensors go "
+            "to gpu_serde memory: move it to its GPU first (.cuda() or .to('cuda:N'))"
+        )
+
     if isinstance(model, torch.Tensor):
-        return moved(model) if model.is_cuda else model
+        if not model.is_cuda:
+            raise none_on_a_gpu(f"this tensor (on {model.device})")
+        return moved(model)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            "gpu_serde.tensors.to_arena takes a torch.nn.Module or a torch.Tensor, not "
+            f"{type(model).__name__}"
+        )
+    tensors = [*model.parameters(), *model.buffers()]
+    if not any(t.is_cuda for t in tensors):
+        raise none_on_a_gpu(f"this {type(model).__name__}")
     with torch.no_grad():
         for p in model.parameters():
             if p.is_cuda:

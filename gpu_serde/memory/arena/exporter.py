@@ -295,7 +295,7 @@ class ArenaMemoryResource(lifetime.DeviceMemory, MemoryResource):
             H200). All of it is allocated at once and stays allocated while the resource lives.
 
     Raises:
-        TypeError: ``size`` is not an int.
+        TypeError: ``device`` is not a Device or an int, or ``size`` not an int.
         ValueError: ``size`` is not positive.
         HandoffError: the driver refused the region (the message names its error, e.g.
             ``CUDA_ERROR_OUT_OF_MEMORY``).
@@ -307,6 +307,14 @@ class ArenaMemoryResource(lifetime.DeviceMemory, MemoryResource):
     """
 
     def __init__(self, device: Device | int, size: int) -> None:
+        if not isinstance(device, Device) and (
+            not isinstance(device, int) or isinstance(device, bool)
+        ):
+            raise TypeError(
+                "ArenaMemoryResource(device=...): a cuda.core Device or this process's ordinal, "
+                f"not {type(device).__name__} (for a GPU by UUID, find its Device with "
+                "gpu_serde.visible_devices())"
+            )
         if not isinstance(size, int) or isinstance(size, bool):
             raise TypeError(f"ArenaMemoryResource(size=...): an int, not {type(size).__name__}")
         if size <= 0:
