@@ -204,7 +204,7 @@ def test_a_tensor_placeholder_routes_by_its_gpu_and_a_malformed_one_by_its_own_e
 ):
     from gpu_serde.wire import tval
 
-    client, _, uuids, _ = dask_cluster
+    client, _, _, _ = dask_cluster
     meta = ("torch", "Tensor", "float32", 4, (4,), (1,), 0, False)
 
     def tensor_of(uuid: str) -> object:  # a CUDA tensor sent by value, as this process holds it
