@@ -120,7 +120,11 @@ def test_place_moves_a_tensor_that_arrived_as_a_tensor():
     [
         (lambda: torch.nn.Linear(2, 2), ValueError, "this Linear holds no CUDA tensor"),
         (lambda: torch.zeros(2), ValueError, r"this tensor \(on cpu\) holds no CUDA tensor"),
-        (lambda: [torch.zeros(2)], TypeError, "takes a torch.nn.Module or a torch.Tensor, not list"),
+        (
+            lambda: [torch.zeros(2)],
+            TypeError,
+            "takes a torch.nn.Module or a torch.Tensor, not list",
+        ),
     ],
 )
 def test_to_arena_of_what_is_not_on_a_gpu_says_to_move_it_there_first(make, error, says):
