@@ -188,7 +188,7 @@ def test_a_call_that_is_not_simulated_names_itself(not_simulated, call, function
     errors, _ = not_simulated
     assert errors[call].startswith(
         f"CUDAError: CUDA_ERROR_STUB_LIBRARY (gpu_serde simulated GPU: {function} is not simulated; "
-        "docs/testing.md of gpu_serde says what is simulated)"
+        "help(gpu_serde.testing) says what is simulated)"
     )
 
 

@@ -200,8 +200,10 @@ def on(
             raise PlacementError(
                 f"on({uuid}, exclusive=True): node {node.node_id[:12]} ({node.address}) declares "
                 f"no resource named {name}, and Ray cannot hold one GPU by name otherwise (it "
-                f"counts GPUs). Start that node with ray start --resources='{{\"{name}\": 1}}', "
-                "or route without exclusive=True, or keep the GPU in one actor that owns it"
+                f"counts GPUs). Declare it where the node starts: ray start "
+                f'--resources=\'{{"{name}": 1}}\', or ray.init(resources={{"{name}": 1}}) for '
+                "a local cluster; or route without exclusive=True, or keep the GPU in one actor "
+                "that owns it"
             )
         options["resources"] = {name: 1}
     return options

@@ -28,6 +28,8 @@ except ImportError as exc:  # pragma: no cover - depends on the extras installed
         "(gpu_serde's [testing] extra)"
     ) from exc
 
+__all__ = ["RAY_IP", "Processes", "cli", "dask_cli_cluster", "free_port", "ray_cli_cluster"]
+
 RAY_IP = "127.0.0.2"
 BIN = os.path.dirname(sys.executable)
 
@@ -98,6 +100,8 @@ class Processes:
         raise RuntimeError(f"{_command(p)} did not come up; see {log}")
 
     def start(self, cmd: list[str], env: dict[str, str], log: str) -> subprocess.Popen[bytes]:
+        """Start ``cmd`` with ``env`` in a process group of its own, its output appended to the
+        file ``log``, and return it; :meth:`stop` ends it."""
         out = open(log, "ab")  # noqa: SIM115 - closed with the process
         p = subprocess.Popen(
             cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
@@ -108,6 +112,9 @@ class Processes:
         return p
 
     def stop(self) -> None:
+        """End every process started here, and any other whose command line names this
+        cluster's marker (its private temp folder): SIGTERM to each process group, up to 15 s,
+        then SIGKILL. Prints the logs of those that had already ended."""
         self.report_early_exits()
         for p in self.procs:
             with contextlib.suppress(ProcessLookupError):

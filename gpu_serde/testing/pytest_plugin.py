@@ -43,7 +43,8 @@ NOT_SIMULATED = (
     "This test ran on gpu_serde's simulated GPUs, which do not simulate the call that failed: the "
     "CUDA runtime (Device.sync(), Device.pci_bus_id, cuda.bindings.runtime), kernels and graphs "
     "fail with a 'stub library' error (cudaErrorStubLibrary, CUDA_ERROR_STUB_LIBRARY). "
-    "docs/testing.md of gpu_serde ('What works and what does not') says what to call instead; "
+    "help(gpu_serde.testing) says what is simulated, and gpu_serde's docs page 'Testing "
+    "without GPUs' (docs/testing.md in its source) what to call instead; "
     "run such tests on a real GPU."
 )
 

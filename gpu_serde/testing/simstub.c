@@ -28,7 +28,7 @@
 
 #include "simdriver.h"
 
-#define DOCS "docs/testing.md of gpu_serde says what is simulated"
+#define DOCS "help(gpu_serde.testing) says what is simulated"
 #define N_STUBS 1000
 
 struct stub { const char *name; char *label; };
