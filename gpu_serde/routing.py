@@ -19,8 +19,7 @@ from gpu_serde.placeholders import UnresolvedDevice, UnresolvedObject, placehold
 
 ACCEPTED = (
     "a cuda.core Device, a gpu_serde.UnresolvedDevice placeholder, a device memory resource "
-    "(DeviceMemoryResource, VirtualMemoryResource), a Buffer from one, the placeholder of memory "
-    "or a tensor whose GPU this process does not see, or a list or tuple of them"
+    "(DeviceMemoryResource, VirtualMemoryResource), a Buffer from one, or a list or tuple of them"
 )
 
 
@@ -39,11 +38,8 @@ def _local_uuid(ordinal: int, what: str) -> str:
 def _one_uuid(obj: Any) -> str:
     if isinstance(obj, UnresolvedDevice):
         return placeholder_uuid(obj)
-    if isinstance(obj, UnresolvedObject):
-        error = obj._error_
-        if isinstance(error, DeviceNotVisibleError) and error.uuid:
-            return error.uuid  # memory or a tensor of a GPU this process does not see
-        raise obj._error()  # why it could not be rebuilt here: it names no GPU to go to
+    if isinstance(obj, UnresolvedObject):  # (its GPU may be a peer's, not where it lives)
+        raise obj._error()  # why it could not be rebuilt here: route by its Device instead
     if isinstance(obj, Device):
         return _local_uuid(obj.device_id, f"Device({obj.device_id})")
     if isinstance(obj, Buffer):
@@ -84,16 +80,16 @@ def target_uuid(obj: Any) -> str:
     Args:
         obj: a ``cuda.core.Device`` (of this process), an :class:`~gpu_serde.UnresolvedDevice`
             (a Device whose GPU this process cannot see), a device memory resource
-            (``mr.device_id``), a ``Buffer`` (its memory resource's device), an
-            :class:`~gpu_serde.UnresolvedObject` that stands for memory or a tensor of a GPU this
-            process does not see, or a non-empty list or tuple of those, all on one GPU.
+            (``mr.device_id``), a ``Buffer`` (its memory resource's device), or a non-empty list
+            or tuple of those, all on one GPU.
 
     Raises:
         TypeError: ``obj`` is none of those (an int ordinal included), or is host memory.
         PlacementError: a list is empty, or holds objects on different GPUs.
         DeviceNotVisibleError: a Device or memory names an ordinal this process does not see.
-        PayloadError, HandoffError: ``obj`` is an ``UnresolvedObject`` for another reason (its
-            own error: a malformed payload, a gone exporter, ...).
+        DeviceNotVisibleError, PayloadError, HandoffError: ``obj`` is an
+            :class:`~gpu_serde.UnresolvedObject`: its own error (a GPU not visible here, a
+            malformed payload, a gone exporter, ...); route by a Device of its GPU instead.
     """
     if isinstance(obj, list | tuple):
         items: Iterable[Any] = obj

@@ -16,8 +16,14 @@ else
   stamp="$venv/.gpu_serde-installed"
 fi
 if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
+  with_torch=0  # torch's CPU build for the tests, on Python 3.11 (see below)
+  py="$venv/bin/python"
+  [ -x "$py" ] || py="${PYTHON:-python3}"
+  if [ "$extras" != all ] && "$py" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+    with_torch=1
+  fi
   echo "gpu_serde: setting up $venv (once): pip installs gpu_serde[$extras]" \
-    "$([ "$extras" = all ] || echo "and torch's CPU build ")into it; nothing outside the checkout" >&2
+    "$([ $with_torch = 0 ] || echo "and torch's CPU build ")into it; nothing outside the checkout" >&2
   if [ ! -x "$venv/bin/python" ]; then
     "${PYTHON:-python3}" -m venv "$venv"  # PYTHON=python3.10 scripts/test: another interpreter
   fi
@@ -26,8 +32,7 @@ if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
   # torch for the CPU tier's tensor tests (tests/test_tensors.py), on Python 3.11 only: there the
   # package index has this CPU build; any other spelling or Python pulls a CUDA build of several
   # GB. The other Pythons (the version matrix) skip those tests, saying why.
-  if [ "$extras" != all ] &&
-    "$venv/bin/python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+  if [ $with_torch = 1 ]; then
     "$venv/bin/python" -m pip install -q "torch==2.13.0"
   fi
   touch "$stamp"

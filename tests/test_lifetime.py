@@ -539,21 +539,27 @@ def test_a_buffer_read_after_gpu_serdes_exit_handler_starts_no_thread_and_its_ho
 # ---- what runs during garbage collection ---------------------------------------------------------
 
 
-def test_a_free_during_a_threads_first_retain_of_a_context_does_not_wait_for_itself(installed):
+def test_a_free_during_a_threads_first_retain_of_a_context_does_not_wait_for_itself(
+    installed, monkeypatch
+):
     """A received buffer's free may run inside any allocation (a collection), also while this
     very thread retains a device's context for the first time: it enters the same cache."""
     import threading
 
     from gpu_serde.memory import driver as _driver
 
+    Device(0).set_current()  # CUDA started, as in any process that received a buffer
+    monkeypatch.setattr(_driver, "_contexts", {})  # no context retained yet (one more, for good)
+    done = []
+
     def free_inside_a_retain() -> None:
         with _driver._contexts_lock, _driver.context(0):  # (the free's own context)
-            pass
+            done.append(True)
 
     t = threading.Thread(target=free_inside_a_retain, daemon=True)
     t.start()
     t.join(30)
-    assert not t.is_alive()
+    assert done == [True]
 
 
 def test_an_object_that_cannot_be_watched_is_not_forwarded_and_leaves_no_note():

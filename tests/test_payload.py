@@ -46,7 +46,7 @@ def test_long_or_odd_text_is_cut_to_fit_without_breaking_characters():
         (b"", "empty"),
         (GOOD[:10], "truncated"),
         (bytes([2]) + GOOD[1:], "version 2 is not understood"),
-        (b"hello", "not a device payload of any gpu_serde version [(]5 bytes"),
+        (b"hello", "not a device payload [(]5 bytes"),
         (b"h" + GOOD[1:], "not a device payload of any gpu_serde version [(]it starts with 104"),
         (GOOD[:17] + b"\x08" + GOOD[18:], "flags"),
         (GOOD[:24] + b"no-separator", "separator"),

@@ -199,9 +199,7 @@ def test_a_gpu_no_worker_sees_raises_at_on_naming_every_worker(dask_cluster):
     assert "no GPU (CUDA_VISIBLE_DEVICES is empty" in text  # the blind worker
 
 
-def test_a_tensor_placeholder_routes_by_its_gpu_and_a_malformed_one_by_its_own_error(
-    dask_cluster,
-):
+def test_a_placeholder_that_is_no_device_is_refused_with_its_own_error(dask_cluster):
     from gpu_serde.wire import tval
 
     client, _, _, _ = dask_cluster
@@ -214,8 +212,8 @@ def test_a_tensor_placeholder_routes_by_its_gpu_and_a_malformed_one_by_its_own_e
     stranger = tensor_of(OTHER_HOST_GPU)
     assert isinstance(stranger, gpu_serde.UnresolvedObject)
     with pytest.raises(gpu_serde.DeviceNotVisibleError) as info:
-        gpu_serde.dask.on(stranger, client)  # routed by its GPU, which no worker sees
-    assert info.value.uuid == OTHER_HOST_GPU and "w3" in str(info.value)
+        gpu_serde.dask.on(stranger, client)  # why it is a placeholder here, not a TypeError
+    assert info.value.uuid == OTHER_HOST_GPU
     malformed = tval((1, b"hello", meta, 0, 0, b""))
     with pytest.raises(gpu_serde.PayloadError, match="not a device payload"):
         gpu_serde.dask.on(malformed, client)

@@ -244,13 +244,15 @@ def test_a_child_forked_from_an_exporter_sends_its_parents_buffer_as_the_clear_r
     buf = mr.allocate(4096, stream=d.default_stream)
     pickle.dumps(buf)  # sent once from here: this process's broker holds it
 
-    def send_and_receive() -> str:
+    def send_and_receive(obj) -> str:
         try:
-            gpu_serde.resolve(pickle.loads(pickle.dumps(buf)))  # the sender never fails
+            gpu_serde.resolve(pickle.loads(pickle.dumps(obj)))  # a buffer's sender never fails
         except gpu_serde.HandoffError as exc:
             return str(exc)
         return "received"
 
-    message = in_a_forked_child(send_and_receive)
-    assert f"belongs to pid {os.getpid()}" in message and "spawn" in message, message
+    message = in_a_forked_child(lambda: send_and_receive(buf))
+    assert f"Buffer's memory belongs to pid {os.getpid()}" in message and "spawn" in message
+    message = in_a_forked_child(lambda: send_and_receive(mr))  # the pool or arena itself
+    assert f"Resource's memory belongs to pid {os.getpid()}" in message, message
     buf.close()

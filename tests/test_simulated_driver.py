@@ -2,7 +2,7 @@
 
 import pytest
 
-from gpu_serde.testing import SimulatedDriverError, child_env, make_gpus
+from gpu_serde.testing import SimulatedDriverError, SimulatedGPU, child_env, make_gpus
 from helpers import run_child
 
 LIST = """
@@ -68,13 +68,13 @@ report(name=d.name, uuid=d.uuid, cc=list(d.compute_capability), pci=gpu_serde.vi
         ({"uuid": "nonsense"}, ValueError, "starts with 'GPU-'"),
         ({"uuid": "GPU-123"}, ValueError, "32 hex digits"),
         ({"uuid": B[4:]}, ValueError, "starts with 'GPU-'"),  # cuda.core's bare spelling
+        ({"uuid": "gpu-" + B[4:]}, ValueError, "starts with 'GPU-'"),  # the driver's case only
+        ({"uuid": B + " "}, ValueError, "no spaces"),
         ({"pci_bus_id": "19:00.0"}, ValueError, "DDDD:BB:DD.F"),
         ({"name": 7}, TypeError, "a str, not int"),
     ],
 )
 def test_a_bad_gpu_description_is_refused_when_it_is_made(fields, error, says):
-    from gpu_serde.testing import SimulatedGPU
-
     with pytest.raises(error, match=says):
         SimulatedGPU(**{"uuid": A, **fields})
 
@@ -86,6 +86,11 @@ def test_a_bad_gpu_description_is_refused_when_it_is_made(fields, error, says):
         (lambda: make_gpus(65), ValueError, "1 to 64"),
         (lambda: make_gpus(2.0), TypeError, "an int, not float"),
         (lambda: child_env([*GPUS, GPUS[0]]), ValueError, "two simulated GPUs have the UUID"),
+        (
+            lambda: child_env([GPUS[0], SimulatedGPU("MIG-" + A[4:], pci_bus_id="0000:99:00.0")]),
+            ValueError,
+            "two simulated GPUs have the UUID",
+        ),
         (lambda: child_env([]), ValueError, "1 to 64"),
         (lambda: child_env(GPUS[0]), TypeError, "a list of SimulatedGPU"),
         (lambda: child_env([A]), TypeError, "SimulatedGPU objects"),
@@ -98,6 +103,22 @@ def test_a_bad_simulated_host_is_refused(make, error, says):
         make()
 
 
+def test_a_dask_layout_takes_strings_ordinals_and_lists_and_names_what_is_wrong():
+    from gpu_serde.testing import spec_cluster_options
+
+    options = spec_cluster_options({"a": 0, "b": "1,0", "c": [GPUS[1].uuid]})
+    envs = {n: w["options"]["env"]["CUDA_VISIBLE_DEVICES"] for n, w in options["workers"].items()}
+    assert envs == {"a": "0", "b": "1,0", "c": GPUS[1].uuid}
+    with pytest.raises(TypeError, match="a dict of worker name"):
+        spec_cluster_options(None)
+    with pytest.raises(ValueError, match="no workers"):
+        spec_cluster_options({})
+    with pytest.raises(TypeError, match=r"nthreads=\.\.\.\): an int, not str"):
+        spec_cluster_options({"a": "0"}, nthreads="2")
+    with pytest.raises(TypeError, match=r"layout\['a'\]\): a CUDA_VISIBLE_DEVICES string"):
+        spec_cluster_options({"a": 1.5})
+
+
 def test_sixty_four_gpus_have_distinct_pci_ids_in_the_drivers_form():
     gpus = make_gpus(64)
     assert len({g.pci_bus_id for g in gpus}) == 64
@@ -107,18 +128,22 @@ def test_sixty_four_gpus_have_distinct_pci_ids_in_the_drivers_form():
 
 ACTIVATE_TWICE = """
 from gpu_serde.testing import SimulatedDriverError, activate, make_gpus
+from gpu_serde.inventory import inventory
 activate(make_gpus(2))
-activate(make_gpus(2))  # the same GPUs again: harmless
+activate(make_gpus(3))  # before CUDA starts: these GPUs instead
+count = len(inventory().devices)
+activate(make_gpus(3))  # the same again: harmless
 try:
-    activate(make_gpus(3))
+    activate(make_gpus(2))
 except SimulatedDriverError as exc:
-    report(error=str(exc))
+    report(count=count, error=str(exc))
 """
 
 
-def test_a_process_that_simulates_gpus_refuses_to_simulate_others():
+def test_a_process_where_cuda_started_refuses_to_simulate_other_gpus():
     got = run_child(ACTIVATE_TWICE, child_env(GPUS))
-    assert "already simulates 2 other GPU(s)" in got["error"]
+    assert got["count"] == 3
+    assert "CUDA has started in this process on 3 other simulated GPU(s)" in got["error"]
 
 
 def test_it_does_not_shadow_a_real_driver_unless_asked(tmp_path, monkeypatch):

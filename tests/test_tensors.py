@@ -132,6 +132,11 @@ def test_to_arena_of_what_is_not_on_a_gpu_says_to_move_it_there_first(make, erro
         gpu_serde.tensors.to_arena(make())
 
 
+def test_to_arena_of_a_module_with_no_tensor_returns_it_as_it_was():
+    relu = torch.nn.ReLU()
+    assert gpu_serde.tensors.to_arena(relu) is relu
+
+
 def test_a_non_float_payload_that_asks_for_grad_is_a_payload_error(installed):
     payload = cpu_payload(CASES["expanded"])
     meta = (*payload[2][:7], True)

@@ -130,6 +130,8 @@ def on(device: Any, client: Any = None, *, exclusive: bool = True) -> dict[str, 
 
     Raises:
         DeviceNotVisibleError: no worker sees that GPU; the message lists every worker's GPUs.
+            (Also the reason of a placeholder passed as ``device``, which names no Device here:
+            as :func:`gpu_serde.routing.target_uuid`.)
         TypeError, PlacementError: ``device`` is not one of those, or names several GPUs;
             ``client`` is asynchronous (TypeError).
         ValueError: no ``client`` was given and this process has none.

@@ -149,8 +149,9 @@ def _explain(p: object) -> PayloadError:
         return fail("empty", p)
     if p[0] != VERSION and len(p) < MIN_SIZE:  # no version's payload is that short
         return fail(
-            f"not a device payload of any gpu_serde version ({len(p)} bytes, every version's has "
-            f"at least {MIN_SIZE}): the pickle was made by something else, or damaged on its way",
+            f"not a device payload ({len(p)} bytes, not of this version, whose payloads have at "
+            f"least {MIN_SIZE}): the pickle was made by something else, damaged on its way, or "
+            "written by another gpu_serde version (install the same one on every process)",
             p,
         )
     if p[0] != VERSION:

@@ -32,10 +32,13 @@ class Background:
         thread = self._thread
         return thread if thread is not None and thread.is_alive() else None
 
-    def close(self) -> None:
+    def close(self) -> threading.Thread | None:
         """The process exits: the thread is not started again (a daemon thread must not call the
-        driver while the interpreter is torn down); the running one ends by its own rule."""
-        self._closed = True
+        driver while the interpreter is torn down). Returns the running one, which ends by its
+        own rule (a start that raced with this has finished starting it)."""
+        with self._lock:
+            self._closed = True
+            return self.running()
 
     def forget(self) -> None:
         """In a forked child: its parent's thread did not come along (and its lock may have been

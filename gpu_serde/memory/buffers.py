@@ -14,7 +14,6 @@ from cuda.core import Buffer, DeviceMemoryResource, PinnedMemoryResource, Virtua
 
 from gpu_serde import wire
 from gpu_serde.errors import HandoffError, NotIPCEnabledError
-from gpu_serde.inventory import forked_from
 from gpu_serde.memory import lifetime, pools, unsent, vmm
 from gpu_serde.memory.arena import exporter as arena
 from gpu_serde.memory.arena import importer as arena_importer
@@ -54,13 +53,7 @@ def reduction(buf: Buffer) -> tuple[Any, ...]:
                 "drops it when the key is released)"
             )
         return origin
-    parent = forked_from()
-    if parent is not None:  # its memory, and the broker that would hold it, are the parent's
-        raise HandoffError(
-            f"this Buffer's memory belongs to pid {parent}: this process was forked from it after "
-            f"CUDA was initialised there, and cannot send it. Send it from pid {parent}, or start "
-            "this process with the 'spawn' or 'forkserver' method"
-        )
+    lifetime.not_forked("Buffer")  # its memory, and the broker that would hold it, are the parent's
     if not buf.handle:  # closed: cuda.core no longer says its memory resource
         return lifetime.sent_closed(buf)
     mr = buf.memory_resource

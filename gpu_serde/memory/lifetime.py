@@ -179,6 +179,23 @@ def sent_closed(buf: Buffer) -> tuple[Any, ...]:
     )
 
 
+def not_forked(what: str) -> None:
+    """Check that this process may export ``what`` (memory it allocated, or that its parent did).
+
+    Raises:
+        HandoffError: this process was forked from the one whose memory it is, after CUDA was
+            initialised there: it cannot use CUDA, and its parent's broker would not know a
+            hold it made.
+    """
+    parent = _inventory.forked_from()
+    if parent is not None:
+        raise HandoffError(
+            f"this {what}'s memory belongs to pid {parent}: this process was forked from it "
+            f"after CUDA was initialised there, and cannot send it. Send it from pid {parent}, "
+            "or start this process with the 'spawn' or 'forkserver' method"
+        )
+
+
 def back_home(held: object) -> Any:
     """``held``, the original object a payload names, back in its exporter (``peek``'s answer,
     not None): a buffer closed here after it was sent cannot be handed back.
@@ -465,8 +482,7 @@ def _stop_at_exit() -> None:
     interpreter is torn down. What it still holds needs no message: the kernel releases a
     process's locks in the exporters' holds files, and closes its connections, at its end.
     Then :data:`on_exit`."""
-    _release_thread.close()  # an import after this queues its release for no thread
-    worker = _release_thread.running()
+    worker = _release_thread.close()  # an import after this queues its release for no thread
     if worker is not None:
         _releases.put((_STOP, "", b"", -1))
         _stopped.wait(EXIT_WAIT_S)

@@ -78,10 +78,12 @@ def pool_payload(mr: Pool) -> tuple[Any, ...]:
 
     Raises:
         NotIPCEnabledError: the pool is not IPC-enabled, or not a pool gpu_serde sends.
+        HandoffError: this process was forked from the pool's (:func:`lifetime.not_forked`).
     """
     origin = lifetime.forwarded(mr)
     if origin is not None:
         return origin[1][0]  # type: ignore[no-any-return]
+    lifetime.not_forked(type(mr).__name__)
     kind = next((k for k in _FIX if isinstance(mr, k)), None)
     if kind is None or not mr.is_ipc_enabled:
         raise NotIPCEnabledError(

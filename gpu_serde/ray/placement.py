@@ -168,6 +168,8 @@ def on(
 
     Raises:
         DeviceNotVisibleError: no alive node sees that GPU; the message lists every node's GPUs.
+            (Also the reason of a placeholder passed as ``device``, which names no Device here:
+            as :func:`gpu_serde.routing.target_uuid`.)
         PlacementError: ``exclusive`` and the node declares no resource for the GPU, or
             ``runtime_env`` sets ``CUDA_VISIBLE_DEVICES`` to something else.
         TypeError: ``device`` is not one of those; ``runtime_env`` is not a dict.

@@ -134,8 +134,9 @@ def to_arena(model: Any, arena: ArenaMemoryResource | None = None) -> Any:
     Raises:
         ArenaFullError: ``arena`` has no room for them.
         TypeError: ``model`` is neither a ``torch.nn.Module`` nor a ``torch.Tensor``.
-        ValueError: it holds no CUDA tensor (move it to its GPU first: ``model.cuda()``); a
-            module's tensors on the CPU stay there.
+        ValueError: it holds tensors, and none on a GPU (move it to its GPU first:
+            ``model.cuda()``); a module's tensors on the CPU stay there, and a module with no
+            tensor comes back as it was.
     """
     import torch
 
@@ -160,7 +161,7 @@ def to_arena(model: Any, arena: ArenaMemoryResource | None = None) -> Any:
             f"{type(model).__name__}"
         )
     tensors = [*model.parameters(), *model.buffers()]
-    if not any(t.is_cuda for t in tensors):
+    if tensors and not any(t.is_cuda for t in tensors):
         raise none_on_a_gpu(f"this {type(model).__name__}")
     with torch.no_grad():
         for p in model.parameters():

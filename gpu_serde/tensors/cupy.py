@@ -177,7 +177,7 @@ def allocator(arena: Any = None) -> Any:
 def place_array(x: Any, device: Any) -> Any:
     """``x`` on ``device``: ``"cpu"`` gives a NumPy array, an ordinal a CuPy array there."""
     if device == "cpu":
-        return x.get()
+        return x.get() if isinstance(x, cupy.ndarray) else x  # (a NumPy array is there)
     with cupy.cuda.Device(int(device)):
         return cupy.array(x, copy=True)
 

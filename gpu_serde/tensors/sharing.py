@@ -297,6 +297,7 @@ def reduce_shared(s: Shared) -> tuple[Any, ...]:
     cannot be sent (a closed block, a driver refusal) travels as its error, raised where it is
     used."""
     try:
+        lifetime.not_forked(f"shared {NAMES[s.library]}")  # before any CUDA call
         follow(s.ordinal, module(s.library).current_stream(s.ordinal), s.stream)
         fn, (block,) = buffers.reduction(s.block)
         if fn is not wire.abuf:

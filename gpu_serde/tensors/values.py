@@ -66,10 +66,13 @@ def place(x: Any, device: Any) -> Any:
         TypeError: ``x`` is none of those.
     """
     if not isinstance(x, UnresolvedObject):
-        torch, cupy = sys.modules.get("torch"), sys.modules.get("cupy")  # imported if x is theirs
-        if torch is not None and isinstance(x, torch.Tensor):
+        torch = sys.modules.get("torch")  # imported if x is a tensor
+        if torch is not None and isinstance(x, torch.Tensor | torch.nn.Module):
             return x.to(device)
-        if cupy is not None and isinstance(x, cupy.ndarray):
+        arrays = tuple(
+            sys.modules[name].ndarray for name in ("cupy", "numpy") if name in sys.modules
+        )
+        if arrays and isinstance(x, arrays):
             return module("cupy").place_array(x, device)
         raise TypeError(
             "gpu_serde.tensors.place(x, device): x is a received torch.Tensor, cupy.ndarray, or "

@@ -111,10 +111,10 @@ class SimulatedGPU:
                     f"SimulatedGPU({field_name}={text!r}): '|', ';' and control characters are "
                     "not allowed in a simulated GPU"
                 )
-        if self.uuid[:4].upper() not in ("GPU-", "MIG-"):
+        if self.uuid[:4] not in ("GPU-", "MIG-") or self.uuid != self.uuid.strip():
             raise ValueError(
                 f"SimulatedGPU(uuid={self.uuid!r}): a GPU UUID starts with 'GPU-' (or 'MIG-'), "
-                "as nvidia-smi -L prints it; make_gpus(n) makes valid ones"
+                "as nvidia-smi -L prints it, with no spaces; make_gpus(n) makes valid ones"
             )
         try:
             canonical_uuid(self.uuid)
@@ -237,7 +237,7 @@ def _spec(gpus: Iterable[SimulatedGPU]) -> str:
     if not 1 <= len(gpus) <= MAX_GPUS:
         raise ValueError(f"gpus: 1 to {MAX_GPUS} simulated GPUs, not {len(gpus)}")
     for key, what in (("uuid", "UUID"), ("pci_bus_id", "PCI bus id")):
-        seen = [canonical_uuid(g.uuid) if key == "uuid" else g.pci_bus_id.lower() for g in gpus]
+        seen = [g.uuid[4:].lower() if key == "uuid" else g.pci_bus_id.lower() for g in gpus]
         twice = sorted({v for v in seen if seen.count(v) > 1})
         if twice:
             raise ValueError(
@@ -317,20 +317,20 @@ def activate(
     effect here.
 
     Raises:
-        SimulatedDriverError: a real driver is loaded or present (see :func:`child_env`), or this
-            process already simulates other GPUs (a process's GPUs are fixed once the driver is
-            loaded: start another process, e.g. with :func:`child_env`).
+        SimulatedDriverError: a real driver is loaded or present (see :func:`child_env`), or CUDA
+            has started here on other simulated GPUs (a process's GPUs are fixed from then on:
+            run the others in another process, e.g. with :func:`child_env`).
         TypeError, ValueError: ``gpus`` or ``visible`` is malformed (see :class:`SimulatedGPU`).
     """
-    global _active
     env = child_env(gpus, visible, allow_real_driver=allow_real_driver)
-    if _active is not None and _active != env[SPEC_ENV]:
+    active = os.environ.get(SPEC_ENV)
+    if active and active != env[SPEC_ENV] and _initialized():
         raise SimulatedDriverError(
-            f"this process already simulates {_active.count(';') + 1} other GPU(s) "
-            f"({_active.split('|', 1)[0]}, ...): a process's GPUs are fixed once the driver is "
-            "loaded; run the other GPUs in another process (child_env(gpus) is its environment)"
+            f"CUDA has started in this process on {active.count(';') + 1} other simulated "
+            f"GPU(s) ({active.split('|', 1)[0]}, ...), and a process's GPUs are fixed from then "
+            "on: activate before anything uses CUDA, or run the other GPUs in another process "
+            "(child_env(gpus) is its environment)"
         )
-    _active = env[SPEC_ENV]
     for key in ("LD_LIBRARY_PATH", SPEC_ENV):
         os.environ[key] = env[key]
     if "CUDA_VISIBLE_DEVICES" in env:
@@ -342,7 +342,13 @@ def activate(
         ctypes.CDLL(os.path.join(folder, name), mode=os.RTLD_GLOBAL)
 
 
-_active: str | None = None  # the GPUs this process simulates (GPU_SERDE_SIM_GPUS), once activated
+def _initialized() -> bool:
+    """Whether the simulated driver is loaded here and CUDA has started on it (``cuInit``)."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD)
+        return bool(lib.gpu_serde_sim_initialized())
+    except (OSError, AttributeError):
+        return False
 
 
 def violations() -> int:
@@ -387,18 +393,29 @@ def spec_cluster_options(
 
     Raises:
         ImportError: distributed is not installed (gpu_serde's ``dask`` extra).
+        TypeError, ValueError: ``layout`` is not a non-empty dict of worker names to
+            ``CUDA_VISIBLE_DEVICES`` (a string, an ordinal, or a list of UUIDs and ordinals), or
+            ``nthreads`` is not a positive int.
     """
     from distributed import Nanny, Scheduler  # only for those who start a Dask cluster
 
-    if not isinstance(layout, Mapping) or not layout:
+    if not isinstance(layout, Mapping):
         raise TypeError(
-            "spec_cluster_options(layout=...): a non-empty dict of worker name -> its "
-            f"CUDA_VISIBLE_DEVICES, not {type(layout).__name__ if layout else 'an empty one'}"
+            "spec_cluster_options(layout=...): a dict of worker name -> its CUDA_VISIBLE_DEVICES, "
+            f"not {type(layout).__name__}"
         )
-    if not isinstance(nthreads, int) or isinstance(nthreads, bool) or nthreads < 1:
-        raise ValueError(f"spec_cluster_options(nthreads=...): 1 or more, not {nthreads!r}")
+    if not layout:
+        raise ValueError("spec_cluster_options(layout=...): no workers (the dict is empty)")
+    if not isinstance(nthreads, int) or isinstance(nthreads, bool):
+        raise TypeError(
+            f"spec_cluster_options(nthreads=...): an int, not {type(nthreads).__name__}"
+        )
+    if nthreads < 1:
+        raise ValueError(f"spec_cluster_options(nthreads=...): 1 or more, not {nthreads}")
     visible: dict[str, str] = {}
     for name, cvd in layout.items():
+        if isinstance(cvd, int) and not isinstance(cvd, bool):
+            cvd = str(cvd)  # one ordinal
         value = _visible_value(cvd, f"spec_cluster_options(layout[{name!r}])")
         if value is None:
             raise TypeError(
@@ -428,6 +445,9 @@ def ray_node_options(
     Ray counts a node's GPUs in the process that adds it, not from ``env_vars``. ``host`` gives
     the node's processes another host identity (``GPU_SERDE_HOST_ID``, :mod:`gpu_serde.hostid`).
     Merge your own options in: ``add_node(num_cpus=2, **ray_node_options(...))``.
+
+    Raises:
+        TypeError: ``visible`` is neither a string nor a list of UUIDs and ordinals.
     """
     value = _visible_value(visible, "ray_node_options(visible=...)")
     if value is None:

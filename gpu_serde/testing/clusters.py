@@ -30,6 +30,7 @@ except ImportError as exc:  # pragma: no cover - depends on the extras installed
 
 __all__ = ["RAY_IP", "Processes", "cli", "dask_cli_cluster", "free_port", "ray_cli_cluster"]
 
+#: The loopback address Ray's nodes use (``ray start`` keeps it; it would replace 127.0.0.1).
 RAY_IP = "127.0.0.2"
 BIN = os.path.dirname(sys.executable)
 

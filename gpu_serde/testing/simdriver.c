@@ -413,3 +413,5 @@ CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, uint64_t 
 
 /* Marker so that gpu_serde can tell this library from a real driver. */
 const char *gpu_serde_simulated_driver(void) { return "gpu_serde simulated CUDA driver 1"; }
+/* whether cuInit has run: from then on the GPUs are fixed (gpu_serde.testing.activate asks) */
+int gpu_serde_sim_initialized(void) { return initialized; }

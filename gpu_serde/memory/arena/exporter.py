@@ -260,8 +260,7 @@ def _start_closer() -> None:
 
 
 def _stop_closer_at_exit() -> None:
-    _closer.close()
-    if _closer.running() is not None:
+    if _closer.close() is not None:
         _closing.put(None)
         _closer_stopped.wait(lifetime.EXIT_WAIT_S)
 
@@ -439,8 +438,10 @@ def reduce_arena(mr: ArenaMemoryResource) -> tuple[Any, ...]:
     """Reducer for ``ArenaMemoryResource``: ``(gpu_serde.wire.arena, (region payload,))``.
 
     Raises:
-        HandoffError: the driver refused to export the region.
+        HandoffError: the driver refused to export the region, or this process was forked from
+            the arena's (:func:`~gpu_serde.memory.lifetime.not_forked`).
     """
+    lifetime.not_forked("ArenaMemoryResource")
     payload = mr._r.payload()
     _exported[mr._r.id] = mr
     return (wire.arena, (payload,))

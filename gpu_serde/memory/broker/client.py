@@ -464,7 +464,12 @@ def _flush_pending() -> None:
             for link in links:
                 try:
                     sock = _drain_once(link, stalled)
-                except Exception:  # the flusher outlives any one link's fault
+                except Exception:  # the flusher outlives any one link's fault: hung up
+                    if link.lock.acquire(timeout=1.0):  # (its next connection notes its holds)
+                        try:
+                            _hang_up(link)
+                        finally:
+                            link.lock.release()
                     continue
                 if sock is not None:
                     waiting.append(sock)
@@ -516,8 +521,7 @@ _exiting = False
 def _stop_flusher_at_exit() -> None:
     global _exiting
     _exiting = True
-    _flusher.close()
-    flusher = _flusher.running()
+    flusher = _flusher.close()
     if flusher is not None:
         _flush_wanted.set()
         flusher.join(1.0)

@@ -105,18 +105,30 @@ def watch_forks() -> None:
 
 
 def _close_inherited() -> None:
+    """Point every holds-file descriptor left in this forked child at ``/dev/null``: the open
+    file description (and its locks) is let go, and the number stays taken, so that an object
+    that still has it (a ``Broker`` made apart from this process's own) never writes to a file
+    opened later under the same number."""
     try:
         names = os.listdir("/proc/self/fd")
     except OSError:
         return
-    for name in names:
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            continue  # the listing's own descriptor, closed by now
-        if target.startswith(f"/memfd:{_NAME}"):
-            with contextlib.suppress(OSError):
-                os.close(int(name))
+    null = -1
+    try:
+        for name in names:
+            try:
+                target = os.readlink(f"/proc/self/fd/{name}")
+            except OSError:
+                continue  # the listing's own descriptor, closed by now
+            if target.startswith(f"/memfd:{_NAME}"):
+                if null < 0:
+                    null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+                os.dup2(null, int(name), inheritable=False)
+    except OSError:
+        pass  # (no /dev/null: nothing else to do without a driver call or a reused number)
+    finally:
+        if null >= 0:
+            os.close(null)
 
 
 class HoldsFile:
