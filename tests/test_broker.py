@@ -380,23 +380,6 @@ print("held", flush=True)
 sys.stdin.read()
 """
 
-
-def test_a_killed_holders_hold_comes_back_though_a_program_it_started_lives_on():
-    b = Broker()
-    let_go = []
-    try:
-        token = b.hold("a block", let_go.append, grace=0.1)
-        proc = holder(b.address, token, script=SHELLING_HOLDER, start_new_session=True)
-        assert wait_for(lambda: b.holders() == {proc.pid: 1})
-        proc.kill()
-        proc.wait(10)
-        assert wait_for(lambda: let_go == ["a block"])  # the sleep still runs
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        b.close()
-
-
 FORKING_HOLDER = """
 import os, sys, time
 from gpu_serde.memory.broker import acquire, client
@@ -412,16 +395,21 @@ sys.stdin.read()
 """
 
 
-def test_a_killed_holders_hold_comes_back_though_a_child_it_forked_lives_on():
+@pytest.mark.parametrize(
+    "script",
+    [SHELLING_HOLDER, FORKING_HOLDER],
+    ids=["a program it started", "a child it forked with a stray descriptor"],
+)
+def test_a_killed_holders_hold_comes_back_though_what_it_started_lives_on(script):
     b = Broker()
     let_go = []
     try:
         token = b.hold("a block", let_go.append, grace=0.1)
-        proc = holder(b.address, token, script=FORKING_HOLDER, start_new_session=True)
+        proc = holder(b.address, token, script=script, start_new_session=True)
         assert wait_for(lambda: b.holders() == {proc.pid: 1})
         proc.kill()
         proc.wait(10)
-        assert wait_for(lambda: let_go == ["a block"])  # the forked child still runs
+        assert wait_for(lambda: let_go == ["a block"])  # the sleep, or the child, still runs
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
