@@ -145,7 +145,7 @@ def test_a_local_cluster_with_register_resolves_the_clients_devices(host_gpus):
             n_workers=1,
             threads_per_worker=1,
             host="127.0.0.1",
-            dashboard_address=":0",
+            dashboard_address="127.0.0.1:0",
             env={"CUDA_VISIBLE_DEVICES": cvd},
         ) as cluster,
         Client(cluster) as client,
@@ -163,7 +163,7 @@ def test_a_local_cluster_with_register_resolves_the_clients_devices(host_gpus):
 
 
 def test_the_doctor_fails_on_a_scheduler_without_workers():
-    with LocalCluster(n_workers=0, host="127.0.0.1", dashboard_address=":0") as cluster:
+    with LocalCluster(n_workers=0, host="127.0.0.1", dashboard_address="127.0.0.1:0") as cluster:
         done = doctor(cluster.scheduler_address, "--timeout", "5")
     assert done.returncode == 1
     assert "no worker answered" in json.loads(done.stdout)["problems"][0]

@@ -37,7 +37,7 @@ def test_a_dask_worker_started_through_simulate_has_its_gpus():
     procs = Processes(tmp)
     address = f"tcp://127.0.0.1:{free_port()}"
     host, port = address.removeprefix("tcp://").split(":")
-    common = ["--preload", "gpu_serde.dask", "--no-dashboard"]
+    common = ["--preload", "gpu_serde.dask", "--no-dashboard", "--dashboard-address", "127.0.0.1:0"]
     try:
         scheduler = [cli("dask"), "scheduler", "--host", host, "--port", port, *common]
         procs.start(scheduler, env, f"{tmp}/scheduler.log")

@@ -22,7 +22,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
+
+from loopback import open_beyond_loopback, ours
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -146,16 +149,30 @@ def run_script(code: str, env: dict[str, str], timeout: float) -> subprocess.Com
             text=True,
             start_new_session=True,
         )
+        before = open_beyond_loopback()
+        deadline = time.monotonic() + timeout
+        beyond: set[tuple[str, str, int, str]] = set()
         try:
-            out, err = proc.communicate(timeout=timeout)
-            code_ = proc.returncode
-        except subprocess.TimeoutExpired:
-            _kill_group(proc.pid)
-            out, err = proc.communicate()
-            err += f"\n[doc_blocks] killed after {timeout} s"
-            code_ = -signal.SIGKILL
+            while True:  # the block's sockets, while it runs: all on loopback (tests/loopback.py)
+                try:
+                    out, err = proc.communicate(timeout=0.25)
+                    code_ = proc.returncode
+                    break
+                except subprocess.TimeoutExpired:
+                    beyond |= set(ours(open_beyond_loopback() - before - beyond))
+                    if time.monotonic() > deadline:
+                        _kill_group(proc.pid)
+                        out, err = proc.communicate()
+                        err += f"\n[doc_blocks] killed after {timeout} s"
+                        code_ = -signal.SIGKILL
+                        break
         finally:
             _kill_group(proc.pid)
+        if beyond and code_ == 0:
+            code_ = 1
+            err += "\n[doc_blocks] it listened beyond loopback: " + ", ".join(
+                f"{table} {address}:{port}" for table, address, port, _ in sorted(beyond)
+            )
         return subprocess.CompletedProcess(proc.args, code_, out, err)
 
 

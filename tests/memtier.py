@@ -340,7 +340,7 @@ def dask_on(tier: Tier, n_workers: int = 1) -> Iterator[object]:
             n_workers=n_workers,
             threads_per_worker=1,
             host="127.0.0.1",
-            dashboard_address=":0",
+            dashboard_address="127.0.0.1:0",
             env={"CUDA_VISIBLE_DEVICES": tier.uuid},
         ) as cluster,
         Client(cluster) as client,

@@ -50,7 +50,7 @@ def dask_cuda_worker(env: dict[str, str]):
     procs = Processes(marker=tmp)  # every process started here names tmp on its command line
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
-    common = ["--preload", "gpu_serde.dask", "--no-dashboard"]
+    common = ["--preload", "gpu_serde.dask", "--no-dashboard", "--dashboard-address", "127.0.0.1:0"]
     try:
         scheduler = [cli("dask"), "scheduler", "--host", "127.0.0.1", "--port", str(port)]
         procs.start(

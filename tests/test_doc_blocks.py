@@ -40,6 +40,23 @@ RUNNABLE = [pytest.param(b, id=b.id, marks=_marks(b)) for b in BLOCKS if b.marke
 RUNNABLE_BLOCKS = [b for b in BLOCKS if b.marker == ""]  # run in the CPU tier
 
 
+#: A block that calls a bare ``Client()`` joins the scheduler at ``$DASK_SCHEDULER_ADDRESS``, as
+#: its page says; without one, distributed would start a local cluster whose dashboard listens on
+#: every interface (":8787"), which no test may.
+BARE_CLIENT = re.compile(r"\bClient\(\)")
+
+
+@pytest.fixture(scope="module")
+def loopback_scheduler(simulated_gpus):
+    """A local Dask cluster on loopback, its dashboard too: its scheduler's address."""
+    from distributed import LocalCluster
+
+    with LocalCluster(
+        n_workers=1, threads_per_worker=1, host="127.0.0.1", dashboard_address="127.0.0.1:0"
+    ) as cluster:
+        yield cluster.scheduler_address
+
+
 @pytest.mark.parametrize("block", RUNNABLE)
 def test_the_block_runs_as_written(block, request):
     if block.marker == "gpu":
@@ -47,6 +64,8 @@ def test_the_block_runs_as_written(block, request):
         env = env_without_driver()
     else:
         env = child_env(request.getfixturevalue("simulated_gpus"))
+    if BARE_CLIENT.search(block.code):
+        env["DASK_SCHEDULER_ADDRESS"] = request.getfixturevalue("loopback_scheduler")
     done = run_script(block.code, env, TIMEOUT_S)
     where = f"{block.doc}, python block {block.number} (line {block.line})"
     assert done.returncode == 0, (

@@ -14,7 +14,10 @@ def test_doctor_flags_a_missing_install_and_a_shared_device_0(simulated_gpus):
         }
         for name, cvd in {"x": u[0], "y": f"{u[0]},{u[1]}", "z": u[2]}.items()
     }
-    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": ":0"}}
+    scheduler = {
+        "cls": Scheduler,
+        "options": {"host": "127.0.0.1", "dashboard_address": "127.0.0.1:0"},
+    }
     with SpecCluster(workers=workers, scheduler=scheduler) as cluster:
         survey = doctor.survey_dask(cluster.scheduler_address)
     reports = {r.name.split(" ")[0]: r for r in survey.workers}

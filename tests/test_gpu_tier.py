@@ -132,7 +132,10 @@ def test_dask_workers_get_the_real_gpu_or_the_typed_error(installed):
         }
         for name, cvd in {"gpu": uuid, "blind": "", "gpu2": uuid}.items()
     }
-    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": ":0"}}
+    scheduler = {
+        "cls": Scheduler,
+        "options": {"host": "127.0.0.1", "dashboard_address": "127.0.0.1:0"},
+    }
     with SpecCluster(workers=workers, scheduler=scheduler) as cluster, Client(cluster) as client:
         gpu_serde.dask.register(client)
         client.wait_for_workers(3, timeout=120)

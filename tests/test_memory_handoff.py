@@ -304,7 +304,10 @@ def test_a_dask_worker_hands_a_buffer_to_another(tier):
         }
         for name in ("a", "b")
     }
-    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": ":0"}}
+    scheduler = {
+        "cls": Scheduler,
+        "options": {"host": "127.0.0.1", "dashboard_address": "127.0.0.1:0"},
+    }
 
     def make():
         d = Device(0)

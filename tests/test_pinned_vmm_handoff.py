@@ -178,7 +178,7 @@ def test_a_dask_worker_receives_pinned_and_vmm_buffers(installed):
             n_workers=1,
             threads_per_worker=1,
             host="127.0.0.1",
-            dashboard_address=":0",
+            dashboard_address="127.0.0.1:0",
             env=env,
         ) as cluster,
         Client(cluster) as client,

@@ -263,7 +263,7 @@ def test_dask_carries_cpu_tensors_and_placeholders_worker_to_worker_and_no_futur
     stranger = wire.tval(cpu_payload(CASES["bf16"]))  # a GPU no process here sees
     with (
         LocalCluster(
-            n_workers=2, threads_per_worker=1, host="127.0.0.1", dashboard_address=":0"
+            n_workers=2, threads_per_worker=1, host="127.0.0.1", dashboard_address="127.0.0.1:0"
         ) as cluster,
         Client(cluster) as client,
     ):

@@ -384,8 +384,8 @@ def spec_cluster_options(
 ) -> dict[str, Any]:
     """Keyword arguments for ``distributed.SpecCluster``: one ``Nanny`` worker per entry of
     ``layout`` (worker name -> its ``CUDA_VISIBLE_DEVICES``), and a scheduler, all on ``host``
-    (loopback by default), the dashboard on a free port. Workers that see the GPUs in different
-    orders are what gpu_serde is tested with.
+    (loopback by default), the dashboard on a free port of ``host``. Workers that see the GPUs
+    in different orders are what gpu_serde is tested with.
 
     ``hosts`` (worker name -> a host label) puts workers on other "hosts" on this one machine:
     each named worker gets ``GPU_SERDE_HOST_ID=<label>`` (:mod:`gpu_serde.hostid`), so GPU memory
@@ -430,7 +430,9 @@ def spec_cluster_options(
         }
         for name, cvd in visible.items()
     }
-    scheduler = {"cls": Scheduler, "options": {"host": host, "dashboard_address": ":0"}}
+    # the dashboard on the scheduler's host too (distributed binds ":0" on every interface)
+    dashboard = f"[{host}]:0" if ":" in host else f"{host}:0"
+    scheduler = {"cls": Scheduler, "options": {"host": host, "dashboard_address": dashboard}}
     return {"workers": workers, "scheduler": scheduler}
 
 

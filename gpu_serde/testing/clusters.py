@@ -241,7 +241,13 @@ def dask_cli_cluster(
     procs = Processes(tmp)
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
-    common = [*(["--preload", "gpu_serde.dask"] if preload else []), "--no-dashboard"]
+    # --no-dashboard still serves /health and /metrics, on every interface unless told otherwise
+    common = [
+        *(["--preload", "gpu_serde.dask"] if preload else []),
+        "--no-dashboard",
+        "--dashboard-address",
+        "127.0.0.1:0",
+    ]
     extra = worker_env or {}
     try:
         procs.start(
