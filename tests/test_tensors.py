@@ -111,6 +111,22 @@ def test_a_by_value_payload_keeps_the_layout_and_bytes_when_placed_on_the_cpu(in
     assert torch.equal(placed.detach(), t.detach())
 
 
+@pytest.mark.parametrize("elements_before", [1 << 20, 1 << 40])
+def test_a_slice_far_into_its_storage_arrives_without_the_storage_before_it(
+    installed, elements_before
+):
+    """A receiver allocates what a payload carries, not what its offset claims: the last row of
+    a big tensor, or a forged offset, never costs the memory before it."""
+    t = torch.arange(8, dtype=torch.float32)
+    payload = cpu_payload(t)
+    meta = (*payload[2][:6], elements_before, False)
+    placed = gpu_serde.tensors.place(
+        wire.tval((1, STRANGER, meta, elements_before, 32, payload[5])), "cpu"
+    )
+    assert placed.untyped_storage().nbytes() == 32 and placed.storage_offset() == 0
+    assert torch.equal(placed, t)
+
+
 def test_place_moves_a_tensor_that_arrived_as_a_tensor():
     assert gpu_serde.tensors.place(CASES["contiguous"], "cpu") is CASES["contiguous"]
 

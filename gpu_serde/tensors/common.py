@@ -16,6 +16,18 @@ from gpu_serde.placeholders import not_visible_error
 #: How a library names a tensor or array in messages.
 NAMES = {"torch": "torch.Tensor", "cupy": "cupy.ndarray"}
 
+#: A tensor sent by value keeps its storage offset where the elements before the first it touches
+#: take at most this many bytes, or as many as it carries; further in (a slice near the end of a
+#: big tensor), its new storage starts at that first element: a receiver never allocates more than
+#: twice what arrived, or this much, whatever a payload claims.
+KEEP_OFFSET_BYTES = 1 << 20
+
+
+def kept_lead(start: int, nbytes: int, itemsize: int) -> int:
+    """How many of the ``start`` elements before a by-value tensor's first touched element its
+    new storage keeps (all, or none: see :data:`KEEP_OFFSET_BYTES`)."""
+    return start if start * itemsize <= max(nbytes, KEEP_OFFSET_BYTES) else 0
+
 
 def local_ordinal(device: bytes, what: str) -> int:
     """This process's ordinal of the GPU a validated device payload names.

@@ -23,7 +23,7 @@ from gpu_serde.errors import PayloadError
 from gpu_serde.format.device import VERSION
 from gpu_serde.format.tensor import MetaPayload, TvalPayload
 from gpu_serde.memory import driver as _driver
-from gpu_serde.tensors.common import Carried
+from gpu_serde.tensors.common import Carried, kept_lead
 
 LIBRARY = "cupy"
 _TYPESTR = re.compile(r"[<>|=][biufc][0-9]{1,2}")
@@ -141,12 +141,13 @@ def from_value(p: TvalPayload, ordinal: int) -> Any:
     """A new array on device ``ordinal`` with a by-value payload's bytes; its allocation reaches
     from the start to the last element, so that the offset is kept."""
     dtype = dtype_of(p.meta)
-    skip = p.start * p.meta.itemsize
+    lead = kept_lead(p.start, p.nbytes, p.meta.itemsize)
+    skip = lead * p.meta.itemsize
     with cupy.cuda.Device(ordinal):
         flat = cupy.empty((skip + p.nbytes,), dtype=cupy.uint8)
         if p.nbytes:
             flat[skip:].set(np.frombuffer(p.data, dtype=np.uint8))
-        return _strided(flat, p.meta, dtype)
+        return _strided(flat, p.meta._replace(offset=p.meta.offset - (p.start - lead)), dtype)
 
 
 # ---- without a copy ----
@@ -187,10 +188,12 @@ def place_value(p: TvalPayload, device: Any) -> Any:
     dtype = dtype_of(p.meta)
     if device != "cpu":
         return from_value(p, int(device))
-    skip = p.start * p.meta.itemsize
+    lead = kept_lead(p.start, p.nbytes, p.meta.itemsize)
+    skip = lead * p.meta.itemsize
     flat = np.empty((skip + p.nbytes,), dtype=np.uint8)
     flat[skip:] = np.frombuffer(p.data, dtype=np.uint8)
     typed = flat.view(dtype)
     strides = tuple(s * p.meta.itemsize for s in p.meta.strides)
-    base = typed[p.meta.offset :] if typed.size else typed
+    offset = p.meta.offset - (p.start - lead)
+    base = typed[offset:] if typed.size else typed
     return np.lib.stride_tricks.as_strided(base, p.meta.shape, strides)

@@ -31,7 +31,7 @@ from gpu_serde.format.tensor import MetaPayload, TipcPayload, TvalPayload
 from gpu_serde.hostid import host_id
 from gpu_serde.memory import driver as _driver
 from gpu_serde.memory.bycopy import host_memory_available
-from gpu_serde.tensors.common import Carried, Window, torch_pickles
+from gpu_serde.tensors.common import Carried, Window, kept_lead, torch_pickles
 
 LIBRARY = "torch"
 _CHECK_ABOVE = 64 << 20  # smaller copies do not read /proc/meminfo first
@@ -151,19 +151,22 @@ def reduce_tensor(t: Any) -> tuple[Any, ...]:
 def from_value(p: TvalPayload, ordinal: int) -> Any:
     """A new tensor on device ``ordinal`` with a by-value payload's bytes (copied in on the
     current stream, in order before any later work on it); its storage reaches from the start
-    to the last element, so that the offset is kept."""
+    to the last element, so that the offset is kept
+    (:data:`~gpu_serde.tensors.common.KEEP_OFFSET_BYTES` says when not)."""
     dtype = dtype_of(p.meta)
     device = torch.device("cuda", ordinal)
-    dst = torch.empty((p.start + p.nbytes // p.meta.itemsize,), dtype=dtype, device=device)
+    lead = kept_lead(p.start, p.nbytes, p.meta.itemsize)
+    dst = torch.empty((lead + p.nbytes // p.meta.itemsize,), dtype=dtype, device=device)
     if p.nbytes:
         src = memoryview(p.data).cast("B")
-        at = dst.data_ptr() + p.start * p.meta.itemsize
+        at = dst.data_ptr() + lead * p.meta.itemsize
         with _driver.context(ordinal):
             _driver.check(
                 "cuMemcpyHtoDAsync",
                 driver.cuMemcpyHtoDAsync(at, src, p.nbytes, current_stream(ordinal)),
             )
-    return finish(dst.as_strided(p.meta.shape, p.meta.strides, p.meta.offset), p.meta)
+    offset = p.meta.offset - (p.start - lead)
+    return finish(dst.as_strided(p.meta.shape, p.meta.strides, offset), p.meta)
 
 
 # ---- without a copy: over a Buffer (an arena block) ----
@@ -318,8 +321,10 @@ def place_value(p: TvalPayload, device: Any) -> Any:
     dtype = dtype_of(p.meta)
     where = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     count = p.nbytes // p.meta.itemsize
-    full = torch.empty((p.start + count,), dtype=dtype, device=where)
+    lead = kept_lead(p.start, p.nbytes, p.meta.itemsize)
+    full = torch.empty((lead + count,), dtype=dtype, device=where)
     if count:
         raw = torch.frombuffer(bytearray(memoryview(p.data).cast("B")), dtype=torch.uint8)
-        full[p.start :] = (raw if dtype == torch.uint8 else raw.view(dtype)).to(where)
-    return finish(full.as_strided(p.meta.shape, p.meta.strides, p.meta.offset), p.meta)
+        full[lead:] = (raw if dtype == torch.uint8 else raw.view(dtype)).to(where)
+    offset = p.meta.offset - (p.start - lead)
+    return finish(full.as_strided(p.meta.shape, p.meta.strides, offset), p.meta)
