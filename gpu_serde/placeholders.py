@@ -111,8 +111,9 @@ class UnresolvedObject:
     """Stands in for a received object that cannot be rebuilt in this process: memory from
     another host or a gone exporter, a payload of another gpu_serde version, a malformed one.
 
-    It re-pickles to the arguments it came with; any public attribute or :func:`gpu_serde.resolve`
-    raises the reason (a ``HandoffError`` kind, ``DeviceNotVisibleError`` or ``PayloadError``).
+    It re-pickles to the arguments it came with; any public attribute, an operator, an index,
+    ``numpy.asarray``, a torch function given it, or :func:`gpu_serde.resolve` raises the reason
+    (a ``HandoffError`` kind, ``DeviceNotVisibleError`` or ``PayloadError``).
     """
 
     __slots__ = ("_args", "_error_", "_kind", "_rebuild")
@@ -138,6 +139,30 @@ class UnresolvedObject:
         if name.startswith("_"):
             raise AttributeError(name)
         raise self._error()
+
+    def _raise(self, *args: object, **kwargs: object) -> NoReturn:
+        """Used as a tensor or an array is (an operator, an index, ``numpy.asarray``): the
+        reason, not a ``TypeError`` about this class."""
+        raise self._error()
+
+    __add__ = __radd__ = __iadd__ = __sub__ = __rsub__ = __isub__ = _raise
+    __mul__ = __rmul__ = __imul__ = __matmul__ = __rmatmul__ = __imatmul__ = _raise
+    __truediv__ = __rtruediv__ = __itruediv__ = __floordiv__ = __rfloordiv__ = _raise
+    __mod__ = __rmod__ = __pow__ = __rpow__ = __lshift__ = __rlshift__ = _raise
+    __rshift__ = __rrshift__ = __and__ = __rand__ = __or__ = __ror__ = __xor__ = __rxor__ = _raise
+    __neg__ = __pos__ = __abs__ = __invert__ = __getitem__ = __setitem__ = __array__ = _raise
+
+    @classmethod
+    def __torch_function__(
+        cls, func: object, types: object, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> NoReturn:
+        """A torch function given a placeholder (``torch.sum(x)``, ``param.copy_(x)``): the
+        first placeholder's reason."""
+        for arg in (*args, *(kwargs or {}).values()):
+            for item in arg if isinstance(arg, list | tuple) else (arg,):
+                if isinstance(item, UnresolvedObject):
+                    raise item._error()
+        raise TypeError(f"{func} was given a gpu_serde placeholder")  # (not reached)
 
     def __repr__(self) -> str:
         reason = _first_line(self._error_)

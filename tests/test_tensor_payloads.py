@@ -309,3 +309,16 @@ def test_a_handoff_error_kind_is_what_an_unexpected_rebuild_failure_becomes(inst
 def test_place_names_what_it_takes_for_what_is_no_tensor(x):
     with pytest.raises(TypeError, match=r"torch\.Tensor, cupy\.ndarray, or the placeholder"):
         gpu_serde.tensors.place(x, "cpu")
+
+
+@pytest.mark.parametrize(
+    "use",
+    [lambda x: x + 1, lambda x: 2 * x, lambda x: -x, lambda x: x @ x, lambda x: x[0]],
+    ids=["add", "rmul", "neg", "matmul", "index"],
+)
+def test_a_tensor_placeholder_used_as_a_tensor_raises_its_reason_and_says_where_its_bytes_go(
+    installed, use
+):
+    x = wire.tval(tval())
+    with pytest.raises(DeviceNotVisibleError, match=r"place\(x, 'cpu'\)"):
+        use(x)

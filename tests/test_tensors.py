@@ -127,6 +127,16 @@ def test_a_slice_far_into_its_storage_arrives_without_the_storage_before_it(
     assert torch.equal(placed, t)
 
 
+def test_torch_given_a_placeholder_raises_its_reason(installed):
+    x = wire.tval(cpu_payload(torch.zeros(2, 2)))
+    with pytest.raises(DeviceNotVisibleError):
+        torch.sum(x)
+    with pytest.raises(DeviceNotVisibleError):
+        torch.cat([x, x])
+    with pytest.raises(DeviceNotVisibleError):
+        torch.nn.Linear(2, 2).load_state_dict({"weight": x, "bias": x})
+
+
 def test_place_moves_a_tensor_that_arrived_as_a_tensor():
     assert gpu_serde.tensors.place(CASES["contiguous"], "cpu") is CASES["contiguous"]
 

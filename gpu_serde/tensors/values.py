@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from gpu_serde import wire
-from gpu_serde.errors import PayloadError
+from gpu_serde.errors import DeviceNotVisibleError, PayloadError
 from gpu_serde.format.tensor import decode_tipc, decode_tval
 from gpu_serde.memory import lifetime
 from gpu_serde.placeholders import UnresolvedObject
@@ -26,7 +26,16 @@ def rebuild_value(payload: object) -> Any:
         HandoffError: the library is missing here, or the copy failed.
     """
     p = decode_tval(payload)
-    ordinal = local_ordinal(p.device, NAMES[p.meta.library])
+    try:
+        ordinal = local_ordinal(p.device, NAMES[p.meta.library])
+    except DeviceNotVisibleError as exc:  # its bytes came with it: say where they can go
+        raise DeviceNotVisibleError(
+            f"{exc}\nIts bytes came with it: gpu_serde.tensors.place(x, 'cpu') (or a device you "
+            "name) puts them there.",
+            uuid=exc.uuid,
+            host=exc.host,
+            visible=exc.visible,
+        ) from None
     return module(p.meta.library).from_value(p, ordinal)
 
 
