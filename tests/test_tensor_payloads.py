@@ -166,8 +166,9 @@ def test_a_tensor_for_a_gpu_not_visible_here_is_a_placeholder_that_raises_when_u
 
 def test_a_torch_ipc_payload_from_another_host_is_other_host_error(installed):
     got = wire.tipc(tipc(dev=device_payload(Device(0)), boot=OTHER_BOOT))
-    with pytest.raises(OtherHostError, match="another host"):
+    with pytest.raises(OtherHostError, match="another host") as info:
         gpu_serde.resolve(got)
+    assert "send the tensor itself" in str(info.value) and "portable" not in str(info.value)
 
 
 def test_strict_mode_raises_device_not_visible_error_at_unpickling(simulated_gpus):

@@ -80,14 +80,23 @@ def check_host(boot: bytes, what: str) -> None:
     the memory and where it came from; the caller escapes the wire text in it
     (:func:`gpu_serde.text.quoted`)."""
     if boot != host_id():
+        if any(word in what for word in ("Tensor", "tensor", "ndarray")):  # shared, or torch's IPC
+            fix = (
+                "To reach other hosts, send the tensor itself, not gpu_serde.share(x) or through "
+                "torch.multiprocessing: pickled, Ray and Dask carry it by value, with its bytes"
+            )
+        else:
+            fix = (
+                "To reach other hosts, send the buffer wrapped in gpu_serde.portable(buf), which "
+                "carries a copy (Ray tasks, actors and ray.put; Dask task arguments; "
+                "multiprocessing); Dask sends buffers that are task results or scattered data by "
+                "value to other hosts by itself (return it from a task, or client.scatter it, "
+                "instead of passing it inside a task's arguments)"
+            )
         raise OtherHostError(
             f"{what} reached host {quoted(_inventory.inventory().host)}, another host: GPU "
-            "memory is mapped only on the host that exported it, and this was sent to be mapped. "
-            "To reach other hosts, send the buffer wrapped in gpu_serde.portable(buf), which "
-            "carries a copy (Ray tasks, actors and ray.put; Dask task arguments; multiprocessing); "
-            "Dask sends buffers that are task results or scattered data by value to other hosts "
-            "by itself (return it from a task, or client.scatter it, instead of passing it inside "
-            "a task's arguments). Or run this work on the exporter's host."
+            f"memory is mapped only on the host that exported it, and this was sent to be mapped. "
+            f"{fix}. Or run this work on the exporter's host."
         )
 
 
