@@ -158,6 +158,11 @@ def test_to_arena_of_what_is_not_on_a_gpu_says_to_move_it_there_first(make, erro
         gpu_serde.tensors.to_arena(make())
 
 
+def test_empty_where_torch_has_no_gpu_says_so(installed):
+    with pytest.raises(DeviceNotVisibleError, match="torch here has no GPU"):
+        gpu_serde.tensors.empty((2, 3))
+
+
 def test_to_arena_of_a_module_with_no_tensor_returns_it_as_it_was():
     relu = torch.nn.ReLU()
     assert gpu_serde.tensors.to_arena(relu) is relu

@@ -17,7 +17,7 @@ Public names::
 
     share(x) -> Shared                     (also gpu_serde.share) no copy on one host
     empty(shape, dtype=None, device=None, *, arena=None)    a torch tensor in gpu_serde memory
-    to_arena(module, arena=None)           a model's parameters and buffers moved there, once
+    to_arena(model, arena=None)            a model's parameters and buffers moved there, once
     cupy_allocator(arena=None)             CuPy arrays allocated there (cupy.cuda.using_allocator)
     place(x, device)                       what arrived by value, on the device you name
     Shared, SharedCopyWarning
@@ -37,6 +37,7 @@ from types import ModuleType
 from typing import Any
 
 from gpu_serde import registry
+from gpu_serde.errors import DeviceNotVisibleError
 from gpu_serde.memory.arena import ArenaMemoryResource
 from gpu_serde.tensors.lazy import when_imported
 from gpu_serde.tensors.sharing import Shared, SharedCopyWarning, allocate, module, share
@@ -85,6 +86,12 @@ def _register(entries: list[tuple[str, tuple[str, str, str]]], library: ModuleTy
 def _ordinal(device: Any) -> int:
     import torch
 
+    if not torch.cuda.is_available():
+        raise DeviceNotVisibleError(
+            "gpu_serde memory is GPU memory, and torch here has no GPU (torch.cuda.is_available() "
+            "is False: a CPU-only torch build, or no GPU visible to this process; simulated GPUs "
+            "run no torch CUDA either, docs/testing.md). Run this on a GPU worker"
+        )
     if device is None:
         return int(torch.cuda.current_device())
     if isinstance(device, int):
@@ -115,6 +122,7 @@ def empty(
     Raises:
         ArenaFullError: ``arena`` has no free block that large.
         ValueError: ``device`` is not a GPU, or ``arena`` is on another GPU.
+        DeviceNotVisibleError: torch here has no GPU (a CPU-only build, or none visible).
     """
     m = module("torch")
     ordinal = _ordinal(device)

@@ -181,9 +181,11 @@ class Shared:
     offset and ``requires_grad`` (an ``nn.Parameter`` stays one), over the same memory, on the
     same GPU found by UUID.
 
-    In the sending process it is only a handle: :attr:`block` is the arena block the tensor lies
-    in, :attr:`copied` says whether :func:`share` had to copy it there. Sending it again sends
-    the same memory (what the tensor holds at that moment).
+    In the sending process it is only a handle: ``block`` is the arena ``Buffer`` the tensor lies
+    in, ``copied`` says whether :func:`share` had to copy it there, ``meta`` how the tensor lies
+    over the block, ``library`` is ``"torch"`` or ``"cupy"``, ``ordinal`` this process's ordinal
+    of the GPU and ``stream`` the block's stream (a raw handle). Sending it again sends the same
+    memory (what the tensor holds at that moment).
     """
 
     __slots__ = ("__weakref__", "block", "copied", "library", "meta", "ordinal", "stream")

@@ -63,16 +63,17 @@ def place(x: Any, device: Any) -> Any:
     """A received tensor or array on the device you name, explicitly: the way to use what
     arrived by value where its own GPU is not visible (another host, a CPU-only client).
 
-    ``x`` is what was received: a tensor or array (moved with the library's own ``.to()`` or
-    ``cupy.asarray``), or the placeholder that a by-value payload became (its bytes, carried in
-    the payload, are put on ``device``: ``"cpu"``, ``"cuda:0"``, a ``torch.device`` or an
-    ordinal; for a CuPy array, a device ordinal, or ``"cpu"`` for a NumPy array).
+    ``x`` is what was received: a tensor, module or array (moved with the library's own
+    ``.to()``, or ``cupy.asarray``), or the placeholder that a by-value payload became (its bytes,
+    carried in the payload, are put on ``device``: ``"cpu"``, ``"cuda:0"``, a ``torch.device``
+    or an ordinal; for a CuPy array, a device ordinal, or ``"cpu"`` for a NumPy array). One
+    object: place a state dict's entries one by one.
 
     Raises:
-        PayloadError: the placeholder carries no bytes (shared memory, or a malformed
-            payload): only the GPU it names can use it; or its error, if it is not a by-value
-            payload.
         TypeError: ``x`` is none of those.
+        DeviceNotVisibleError, OtherHostError, PayloadError, HandoffError: ``x`` is a
+            placeholder of something that carries no bytes (shared memory, torch's own IPC) or
+            of a malformed payload: its own reason; only the GPU it names can use it.
     """
     if not isinstance(x, UnresolvedObject):
         torch = sys.modules.get("torch")  # imported if x is a tensor
