@@ -392,3 +392,17 @@ def test_a_bad_result_passed_on_to_another_task_raises_a_catchable_payload_error
     with pytest.raises(gpu_serde.PayloadError, match=says):
         ray.get(use.options(**on("b")).remote(made), timeout=60)
     assert ray.get(ping.options(**on("b")).remote(), timeout=60) == 1
+
+
+@pytest.mark.parametrize("value", ["1", "true", "True"])
+def test_rays_own_tensor_pickling_is_said_where_gpu_serde_installs(monkeypatch, caplog, value):
+    """RAY_ENABLE_ZERO_COPY_TORCH_TENSORS makes Ray pickle torch tensors ahead of gpu_serde, and
+    rebuild CUDA ones by ordinal: the driver and every worker say so when they install."""
+    from gpu_serde.ray import setup
+
+    monkeypatch.setenv("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", value)
+    with caplog.at_level("WARNING", logger="gpu_serde.ray"):
+        assert setup.warn_if_ray_pickles_tensors()
+    assert "by ordinal, possibly another GPU" in caplog.text and "share(x)" in caplog.text
+    monkeypatch.setenv("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "0")
+    assert not setup.warn_if_ray_pickles_tensors()

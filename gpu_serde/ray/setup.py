@@ -67,6 +67,7 @@ def setup_worker() -> None:
         node = "?"
     set_role(f"ray worker on node {node[:12]}")
     logger.debug("gpu_serde: installed in ray worker pid %d on node %s", os.getpid(), node)
+    warn_if_ray_pickles_tensors()
     if not driver_installed():
         logger.warning(
             "gpu_serde: this job's driver did not install gpu_serde, so Devices it sends reach "
@@ -75,6 +76,27 @@ def setup_worker() -> None:
             "(for `ray job submit`: in the job's runtime_env env_vars).",
             ENV_HOOK,
         )
+
+
+#: Ray's switch that makes it pickle torch tensors itself, ahead of every other reducer.
+RAY_ZERO_COPY = "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"
+
+
+def warn_if_ray_pickles_tensors() -> bool:
+    """Log a warning, and return True, when :data:`RAY_ZERO_COPY` is on in this process: Ray then
+    pickles every torch tensor itself, ahead of gpu_serde, and rebuilds a CUDA one on
+    ``str(tensor.device)``, an ordinal: possibly another GPU in the receiver."""
+    if os.environ.get(RAY_ZERO_COPY, "").strip().lower() not in ("1", "true"):
+        return False
+    logger.warning(
+        "gpu_serde: %s is set, so Ray pickles torch tensors itself, ahead of gpu_serde: a CUDA "
+        "tensor sent as a task argument, a return or through ray.put is rebuilt on the "
+        "receiver's 'cuda:N' of the sender's N, by ordinal, possibly another GPU. Unset it to "
+        "have CUDA tensors carried by GPU UUID, or send them as gpu_serde.share(x) (by UUID, "
+        "no copy, one host) or through gpu_serde.ray.TENSOR_TRANSPORT.",
+        RAY_ZERO_COPY,
+    )
+    return True
 
 
 def driver_installed() -> bool:
@@ -126,6 +148,7 @@ def _install_driver() -> None:
     set_role("ray driver")
     transport.register()
     tensor_transport.register()
+    warn_if_ray_pickles_tensors()
 
 
 def runtime_env_hook(env: dict[str, Any] | None) -> dict[str, Any]:
