@@ -93,7 +93,7 @@ def warn_if_ray_pickles_tensors() -> bool:
         "tensor sent as a task argument, a return or through ray.put is rebuilt on the "
         "receiver's 'cuda:N' of the sender's N, by ordinal, possibly another GPU. Unset it to "
         "have CUDA tensors carried by GPU UUID, or send them as gpu_serde.share(x) (by UUID, "
-        "no copy, one host) or through gpu_serde.ray.TENSOR_TRANSPORT.",
+        "no copy, one host).",
         RAY_ZERO_COPY,
     )
     return True
