@@ -239,6 +239,17 @@ def test_dask_sends_a_cpu_tensor_through_distributeds_own_entry(installed_torch)
     assert torch.equal(deserialize(header, frames), t)
 
 
+def test_dask_sends_a_bfloat16_cpu_tensor_that_distributeds_entry_cannot(installed_torch):
+    from distributed.protocol import deserialize, serialize
+
+    import gpu_serde.dask  # noqa: F401  (its entries, in place once torch is imported)
+
+    t = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3).t()
+    header, frames = serialize(t, serializers=("dask",))
+    got = deserialize(header, frames)
+    assert got.dtype == torch.bfloat16 and got.stride() == t.stride() and torch.equal(got, t)
+
+
 def test_dask_sends_a_cpu_parameter_through_distributeds_own_entry(installed_torch):
     from distributed.protocol import deserialize, serialize
 

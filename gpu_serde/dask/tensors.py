@@ -13,7 +13,9 @@ imported (distributed's own registered first, so that they can be kept):
   out-of-band frames; the receiver rebuilds it on the same GPU, or a placeholder that raises
   ``DeviceNotVisibleError`` when used;
 - a CPU tensor, and anything gpu_serde does not carry, goes through distributed's own entry,
-  unchanged (its header marked so that the receiver hands it back to distributed's own).
+  unchanged (its header marked so that the receiver hands it back to distributed's own); one
+  that distributed's entry cannot serialize (a bfloat16 CPU tensor, which has no NumPy dtype)
+  goes by the library's own pickling, where it would otherwise leave its receiver waiting.
 
 Neither the serializer nor the deserializer raises (a serializer that raises leaves the receiver
 waiting for ever; a deserializer that raises loses the worker): what cannot be sent travels as its
@@ -49,7 +51,10 @@ def serialize_tensor(x: Any) -> tuple[dict[str, Any], list[Any]]:
     module). Never raises for an object gpu_serde carries."""
     theirs, _, reduce, carries = _entries[type(x)]
     if not carries(x):
-        header, frames = theirs(x)
+        try:
+            header, frames = theirs(x)
+        except Exception:  # distributed cannot (a bfloat16 CPU tensor: no NumPy dtype for it):
+            return {OWN: FORMAT}, to_frames(x.__reduce_ex__(5))  # the library's own pickling can
         return {**header, THEIRS: _name(type(x))}, frames
     try:
         reduction = reduce(x)

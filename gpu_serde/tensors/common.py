@@ -42,7 +42,8 @@ def local_ordinal(device: bytes, what: str) -> int:
 
 
 def need(library: str) -> Any:
-    """The module ``library`` (``"torch"`` or ``"cupy"``), imported: a tensor of it arrived.
+    """The module ``library`` (``"torch"`` or ``"cupy"``), imported: a tensor of it arrived, or
+    the caller asked for something of it.
 
     Raises:
         HandoffError: it is not installed in this process.
@@ -54,8 +55,9 @@ def need(library: str) -> Any:
         return __import__(library)
     except Exception as exc:
         raise HandoffError(
-            f"a {NAMES.get(library, library)} arrived in a process that cannot import {library} "
-            f"({type(exc).__name__}: {exc}): install {library} here, or receive it where it is"
+            f"this process cannot import {library} ({type(exc).__name__}: {exc}), which a "
+            f"{NAMES.get(library, library)} needs: install {library} here, or receive it where "
+            f"{library} is installed"
         ) from None
 
 

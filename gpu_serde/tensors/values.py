@@ -83,6 +83,8 @@ def place(x: Any, device: Any) -> Any:
             sys.modules[name].ndarray for name in ("cupy", "numpy") if name in sys.modules
         )
         if arrays and isinstance(x, arrays):
+            if device == "cpu" and type(x).__module__.startswith("numpy"):
+                return x  # there already: no CuPy needed
             return module("cupy").place_array(x, device)
         raise TypeError(
             "gpu_serde.tensors.place(x, device): x is a received torch.Tensor, cupy.ndarray, or "
