@@ -40,3 +40,22 @@ if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
 fi
 export PATH="$venv/bin:$PATH"
 cd "$root"
+
+# loopback_only COMMAND...: run COMMAND in a network namespace of its own whose one interface is
+# loopback (as root, or through an unprivileged user namespace): the tests' clusters can then
+# listen nowhere else, also Ray's `ray start` nodes, whose servers listen on every interface of a
+# node address other than 127.0.0.1. Where no namespace can be made, COMMAND runs here, saying so.
+loopback_only() {
+  local how=()
+  if command -v ip > /dev/null && unshare --net true 2> /dev/null; then
+    how=(unshare --net --)
+  elif command -v ip > /dev/null && unshare --user --map-root-user --net true 2> /dev/null; then
+    how=(unshare --user --map-root-user --net --)
+  else
+    echo "gpu_serde: no network namespace can be made here (unshare, ip): the tests run in this" \
+      "one, where Ray's CLI nodes (integration/) also listen beyond loopback" >&2
+    "$@"
+    return
+  fi
+  "${how[@]}" sh -c 'ip link set lo up && exec "$@"' sh "$@"
+}
