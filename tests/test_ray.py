@@ -395,14 +395,24 @@ def test_a_bad_result_passed_on_to_another_task_raises_a_catchable_payload_error
 
 
 @pytest.mark.parametrize("value", ["1", "true", "True"])
-def test_rays_own_tensor_pickling_is_said_where_gpu_serde_installs(monkeypatch, caplog, value):
+def test_rays_own_tensor_pickling_is_said_where_gpu_serde_installs(monkeypatch, value):
     """RAY_ENABLE_ZERO_COPY_TORCH_TENSORS makes Ray pickle torch tensors ahead of gpu_serde, and
     rebuild CUDA ones by ordinal: the driver and every worker say so when they install."""
+    import logging
+
     from gpu_serde.ray import setup
 
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
     monkeypatch.setenv("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", value)
-    with caplog.at_level("WARNING", logger="gpu_serde.ray"):
+    setup.logger.addHandler(handler)
+    try:
         assert setup.warn_if_ray_pickles_tensors()
-    assert "by ordinal, possibly another GPU" in caplog.text and "share(x)" in caplog.text
+    finally:
+        setup.logger.removeHandler(handler)
+    assert (
+        len(said) == 1 and "by ordinal, possibly another GPU" in said[0] and "share(x)" in said[0]
+    )
     monkeypatch.setenv("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "0")
     assert not setup.warn_if_ray_pickles_tensors()
