@@ -255,10 +255,6 @@ def _close_regions() -> None:
 _closer = Background("gpu_serde-arena", _close_regions)
 
 
-def _start_closer() -> None:
-    _closer.start()
-
-
 def _stop_closer_at_exit() -> None:
     if _closer.close() is not None:
         _closing.put(None)
@@ -321,7 +317,7 @@ class ArenaMemoryResource(lifetime.DeviceMemory, MemoryResource):
         dev = Device(device)
         self._device = dev
         self._r = region = _Region(dev, size)
-        _start_closer()
+        _closer.start()
         # collected: the region is freed here (its importers keep their mappings); at exit the
         # process's end frees it
         weakref.finalize(self, _closing.put, region).atexit = False

@@ -91,8 +91,9 @@ _watching_forks = False
 
 
 def watch_forks() -> None:
-    """From now on a child forked from this process closes every descriptor of a holds file it
-    inherited, once the fork hooks of the broker and its client have closed those they know:
+    """From now on a child forked from this process lets go of every descriptor of a holds file
+    it inherited (pointed at ``/dev/null``), once the fork hooks of the broker and its client have
+    closed those they know:
     also one that was being handed over at the fork, which only its owner's thread knew of. Such
     a copy would keep its parent's locks (the holds, and an exporter's mark of life) after the
     parent died, for an open file description's locks go only with its last descriptor.
