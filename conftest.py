@@ -21,6 +21,7 @@ if not hasattr(loopback, "open_beyond_loopback"):
 # Every process the tests start carries this mark: the socket check knows them by it.
 os.environ.setdefault(loopback.MARK, f"{os.getpid()}-{os.urandom(4).hex()}")
 _REPORTED: set = set()
+_NOT_OURS: set = set()  # the machine's own sockets, looked up once
 
 
 @pytest.fixture(autouse=True)
@@ -28,7 +29,9 @@ def _only_loopback():
     """Each test ends with nothing of the tests' listening beyond loopback: a Dask dashboard at
     ":0", for one, listens on every interface."""
     yield
-    found = loopback.ours(loopback.open_beyond_loopback() - _REPORTED)
+    candidates = loopback.open_beyond_loopback() - _REPORTED - _NOT_OURS
+    found = loopback.ours(candidates)
+    _NOT_OURS.update(candidates - set(found))
     if found:
         _REPORTED.update(found)  # reported once
         lines = [f"{t} {a}:{port} held by {who}" for (t, a, port, _), who in sorted(found.items())]
