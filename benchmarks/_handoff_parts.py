@@ -81,9 +81,15 @@ def _memory(kind: str) -> Any:
         import gpu_serde
 
         dev, max_size = _dev(), _state["max_size"]
-        if kind == "arena":
+        if kind == "arena":  # arena and arena-busy: a buffer in flight and a new one
             room = 2 * max_size + min(ARENA_SLACK, max_size)
             _state[kind] = gpu_serde.ArenaMemoryResource(dev, room)
+        elif kind == "again arena":  # arena-again's one buffer, kept for a size's rounds: in
+            # the shared arena it split the free space (16 GiB found no block at 16 GiB)
+            room = max_size + min(ARENA_SLACK, max_size)
+            _state[kind] = gpu_serde.ArenaMemoryResource(dev, room)
+        elif kind == "probe":  # a buffer pickled once and never received: kept until exit
+            _state[kind] = gpu_serde.ArenaMemoryResource(dev, 1)
         else:
             _state[kind] = ipc_pool(dev, 2 * max_size, keep=True)
     return _state[kind]
@@ -124,7 +130,7 @@ def make_object(path: str, size: int, value: int) -> Any:
         again = _state.get("again")
         if again is None or again.size != size:
             _state.pop("again", None)
-            arena = _memory("arena")
+            arena = _memory("again arena")
             again = _state["again"] = _retry(lambda: arena.allocate(size))
         obj = again
     elif path == "arena-busy":
@@ -187,7 +193,7 @@ def _arena_pickle_bytes() -> int:
     if "pickle bytes" not in _state:
         import pickle
 
-        buf = _memory("arena").allocate(1)
+        buf = _memory("probe").allocate(1)
         _state["pickle bytes"] = len(pickle.dumps(buf))
         buf.close()
     return int(_state["pickle bytes"])
