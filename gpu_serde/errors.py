@@ -77,7 +77,8 @@ class ArenaFullError(HandoffError, MemoryError):
         requested: bytes asked for.
         free: bytes free in the region (in blocks of any size).
         largest: the largest free block, in bytes: the most one allocation can get now.
-        held: bytes of buffers sent and still held for importers (freed once they release them).
+        held: bytes of buffers sent and still held for importers (given back once every importer
+            released them and the grace period, ``GPU_SERDE_RELEASE_GRACE_S``, has passed).
         size: the region's size, in bytes.
         uuid: the GPU's UUID (``GPU-...``).
         suggested: a region size that would have room (``ArenaMemoryResource(device, size=...)``).

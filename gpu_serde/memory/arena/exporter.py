@@ -361,7 +361,9 @@ class ArenaMemoryResource(lifetime.DeviceMemory, MemoryResource):
         suggested = align_up(max(2 * r.size, r.size + align_up(asked)), gran)
         held = (
             f"; {human(stats['held'])} of it are buffers sent and still held for importers "
-            "(freed once they release them)"
+            "(given back once every importer released them and "
+            f"{lifetime.RELEASE_GRACE_S:g} s more have passed, the grace for a payload read "
+            "again: GPU_SERDE_RELEASE_GRACE_S)"
             if stats["held"]
             else ""
         )
