@@ -1,0 +1,228 @@
+"""Where an arena hand-off's time goes in Ray (issue 31's floor), split into what gpu_serde's
+Python does and what is left, measured in one run against Ray's own cost for a plain object.
+
+    python benchmarks/hot_path.py [--rounds 41] [--per-round 20] [--json PATH]
+
+Runs on the real GPU when a driver is present, else on four simulated GPUs (the split is the same
+code: only the driver calls differ). Two Ray actors, a sender and a receiver, on one GPU; cases
+interleaved round by round, each round ``--per-round`` hand-offs, medians over rounds:
+
+- ``int``: Ray's round trip with an int (the baseline);
+- ``plain``: a plain object the size of an arena buffer's pickle: Ray's own cost for carrying any
+  pickled object;
+- ``arena``: a new 1 MiB ``ArenaMemoryResource`` buffer, closed by the receiver (its release in the
+  background), as ``handoff_table.py`` sends it;
+- ``arena, kept``: the same, but the receiver keeps what it received (no release traffic).
+
+Inside the actors, over the same rounds: the sender's ``pickle.dumps`` of a new buffer, the
+receiver's ``pickle.loads`` and ``close``. "Left" is the arena's cost over a plain object minus
+those three: the time gpu_serde's work costs beyond its own Python (its threads waking, the
+interpreter lock passed between them and Ray's).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import statistics
+import time
+from typing import Any
+
+import _common
+
+BUF = 1 << 20
+
+
+class Sender:
+    """A Ray actor that makes what each case sends."""
+
+    def __init__(self) -> None:
+        from cuda.core import Device
+
+        import gpu_serde
+        from gpu_serde.memory import lifetime
+
+        gpu_serde.install()
+        lifetime.RELEASE_GRACE_S = 0.0  # a released block comes back at once: the loop reuses
+        dev = Device(0)
+        dev.set_current()
+        self.arena = gpu_serde.ArenaMemoryResource(dev, 256 << 20)
+        self.probe = gpu_serde.ArenaMemoryResource(dev, 1)
+        self.plain = bytes(len(pickle.dumps(self.probe.allocate(1))))
+        self.ready: list[Any] = []
+
+    def _new(self) -> Any:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                return self.arena.allocate(BUF)
+            except Exception:  # released blocks come back in the background
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.001)
+
+    def fill(self, n: int) -> None:
+        """Allocate the next ``n`` buffers ahead (untimed, as ``handoff_table.py`` prepares)."""
+        self.ready = [self._new() for _ in range(n)]
+
+    def make(self, case: str) -> Any:
+        if case == "int":
+            return 7
+        if case == "plain":
+            return self.plain
+        return self.ready.pop()
+
+    def time_dumps(self, n: int) -> float:
+        """The median of ``n`` pickles of a new buffer (each then closed, never received)."""
+        took = []
+        for _ in range(n):
+            buf = self._new()
+            start = time.perf_counter()
+            data = pickle.dumps(buf)
+            took.append(time.perf_counter() - start)
+            buf.close()
+            del data
+        return statistics.median(took)
+
+    def payload(self) -> bytes:
+        return pickle.dumps(self._new())
+
+
+class Receiver:
+    """A Ray actor that receives, closes or keeps."""
+
+    def __init__(self) -> None:
+        from cuda.core import Device
+
+        import gpu_serde
+
+        gpu_serde.install()
+        Device(0).set_current()
+        self.kept: list[Any] = []
+
+    def consume(self, obj: Any, keep: bool) -> int:
+        if isinstance(obj, (int, bytes)):
+            return 1
+        if keep:
+            self.kept.append(obj)
+        else:
+            obj.close()
+        return 2
+
+    def drop_kept(self) -> None:
+        for buf in self.kept:
+            buf.close()
+        self.kept.clear()
+
+    def time_loads(self, payloads: list[bytes]) -> tuple[float, float]:
+        """Medians of ``pickle.loads`` and ``close`` over ``payloads``."""
+        loads, closes = [], []
+        for data in payloads:
+            start = time.perf_counter()
+            buf = pickle.loads(data)
+            mid = time.perf_counter()
+            buf.close()
+            loads.append(mid - start)
+            closes.append(time.perf_counter() - mid)
+        return statistics.median(loads), statistics.median(closes)
+
+
+def main() -> None:
+    p = _common.parser(__doc__)
+    p.add_argument("--rounds", type=int, default=41)
+    p.add_argument("--per-round", type=int, default=20)
+    args = p.parse_args()
+    gpus = _common.use_gpus()
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only
+    import ray
+
+    import gpu_serde.ray
+
+    gpu_serde.ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        sender = ray.remote(num_gpus=0.5)(Sender).remote()
+        receiver = ray.remote(num_gpus=0.5)(Receiver).remote()
+
+        def case(name: str, keep: bool = False) -> Any:
+            def run() -> None:
+                ray.get(receiver.consume.remote(sender.make.remote(name), keep))
+
+            return run
+
+        cases = {
+            "int": case("int"),
+            "plain": case("plain"),
+            "arena": case("arena"),
+            "arena, kept": case("arena", keep=True),
+        }
+
+        def fill() -> None:
+            ray.get(receiver.drop_kept.remote())
+            ray.get(sender.fill.remote(args.per_round))
+
+        cases["arena"].setup = fill  # type: ignore[attr-defined]
+        cases["arena, kept"].setup = fill  # type: ignore[attr-defined]
+        for fn in cases.values():  # warm: actors started, region mapped, connections open
+            if setup := getattr(fn, "setup", None):
+                setup()
+            for _ in range(3):
+                fn()
+        samples = _common.interleaved_samples(
+            cases, rounds=args.rounds, per_round=args.per_round, alternate=True
+        )
+        ray.get(receiver.drop_kept.remote())
+        n = args.rounds * 3
+        dumps = ray.get(sender.time_dumps.remote(n))
+        payloads = [ray.get(sender.payload.remote()) for _ in range(n)]
+        loads, close = ray.get(receiver.time_loads.remote(payloads))
+    finally:
+        ray.shutdown()
+
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    over = {k: _common.paired_ci(samples, k, "int") for k in ("plain", "arena", "arena, kept")}
+    vs_plain = _common.paired_ci(samples, "arena", "plain")
+    kept_vs_plain = _common.paired_ci(samples, "arena, kept", "plain")
+    print(f"# an arena hand-off in Ray, split ({gpus}; {_common.machine()})")
+    print(f"int round trip: {med['int'] * 1e3:.3f} ms; medians over {args.rounds} rounds\n")
+    print("| case | adds to the int's round trip (95% interval) |")
+    print("|---|---|")
+    for k, (m, lo, hi) in over.items():
+        print(f"| {k} | {m * 1e3:.3f} ms ({lo * 1e3:.3f} to {hi * 1e3:.3f}) |")
+    own = dumps + loads + close
+    left = vs_plain[0] - own
+    print(
+        f"\n- arena over a plain object: {vs_plain[0] * 1e3:.3f} ms ({vs_plain[1] * 1e3:.3f} to "
+        f"{vs_plain[2] * 1e3:.3f}); target <= 0.100 ms: "
+        f"{'meets' if vs_plain[0] <= 1e-4 else 'MISSES'} target"
+    )
+    print(
+        f"- kept (no release traffic) over a plain object: {kept_vs_plain[0] * 1e3:.3f} ms "
+        f"({kept_vs_plain[1] * 1e3:.3f} to {kept_vs_plain[2] * 1e3:.3f})"
+    )
+    print(
+        f"- gpu_serde's own Python, in the actors: dumps {dumps * 1e6:.0f} us, loads "
+        f"{loads * 1e6:.0f} us, close {close * 1e6:.0f} us: {own * 1e3:.3f} ms"
+    )
+    print(f"- left (the arena over plain, minus those): {left * 1e3:.3f} ms")
+    rows = [
+        _common.result(
+            "hot_path",
+            "ray",
+            k,
+            m,
+            path="actor to actor",
+            low=lo,
+            high=hi,
+            stat="median over rounds of (round trip - int round trip), 95% interval",
+        )
+        for k, (m, lo, hi) in over.items()
+    ]
+    for series, value in (("dumps", dumps), ("loads", loads), ("close", close), ("left", left)):
+        rows.append(
+            _common.result("hot_path", "ray", series, value, path="in the actors", stat="median")
+        )
+    _common.write_json(args.json, "hot_path", rows)
+
+
+if __name__ == "__main__":
+    main()
