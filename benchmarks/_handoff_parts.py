@@ -127,12 +127,13 @@ def make_object(path: str, size: int, value: int) -> Any:
         arena = _memory("arena")
         obj = _retry(lambda: arena.allocate(size))
     elif path == "arena-again":
-        again = _state.get("again")
-        if again is None or again.size != size:
+        if "again" not in _state or _state["again"].size != size:
+            # no reference to the last size's buffer may stay here: it is freed (once its
+            # importers released it) only when the last one goes, and the new one needs its room
             _state.pop("again", None)
             arena = _memory("again arena")
-            again = _state["again"] = _retry(lambda: arena.allocate(size))
-        obj = again
+            _state["again"] = _retry(lambda: arena.allocate(size))
+        obj = _state["again"]
     elif path == "arena-busy":
         arena = _memory("arena")
         obj = _retry(lambda: arena.allocate(size))
