@@ -36,7 +36,7 @@ BUF = 1 << 20
 class Sender:
     """A Ray actor that makes what each case sends."""
 
-    def __init__(self) -> None:
+    def __init__(self, per_round: int) -> None:
         from cuda.core import Device
 
         import gpu_serde
@@ -46,7 +46,8 @@ class Sender:
         lifetime.RELEASE_GRACE_S = 0.0  # a released block comes back at once: the loop reuses
         dev = Device(0)
         dev.set_current()
-        self.arena = gpu_serde.ArenaMemoryResource(dev, 256 << 20)
+        # a round's buffers made ahead, and as many kept by the receiver: room for both, twice
+        self.arena = gpu_serde.ArenaMemoryResource(dev, max(256, 4 * per_round) * BUF)
         self.probe = gpu_serde.ArenaMemoryResource(dev, 1)
         self.plain = bytes(len(pickle.dumps(self.probe.allocate(1))))
         self.ready: list[Any] = []
@@ -73,10 +74,14 @@ class Sender:
         return self.ready.pop()
 
     def time_dumps(self, n: int) -> float:
-        """The median of ``n`` pickles of a new buffer (each then closed, never received)."""
+        """The median of ``n`` pickles of a new buffer (each then closed, never received: kept
+        until this process exits, so they come from an arena of their own)."""
+        import gpu_serde
+
+        side = gpu_serde.ArenaMemoryResource(self.arena.device, n * BUF)
         took = []
         for _ in range(n):
-            buf = self._new()
+            buf = side.allocate(BUF)
             start = time.perf_counter()
             data = pickle.dumps(buf)
             took.append(time.perf_counter() - start)
@@ -132,6 +137,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=41)
     p.add_argument("--per-round", type=int, default=20)
     args = p.parse_args()
+    if args.rounds < 1 or args.per_round < 1:
+        p.error("--rounds and --per-round take a positive number")
     gpus = _common.use_gpus()
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only
     import ray
@@ -140,7 +147,7 @@ def main() -> None:
 
     gpu_serde.ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False)
     try:
-        sender = ray.remote(num_gpus=0.5)(Sender).remote()
+        sender = ray.remote(num_gpus=0.5)(Sender).remote(args.per_round)
         receiver = ray.remote(num_gpus=0.5)(Receiver).remote()
 
         def case(name: str, keep: bool = False) -> Any:
@@ -165,7 +172,7 @@ def main() -> None:
         for fn in cases.values():  # warm: actors started, region mapped, connections open
             if setup := getattr(fn, "setup", None):
                 setup()
-            for _ in range(3):
+            for _ in range(min(3, args.per_round)):
                 fn()
         samples = _common.interleaved_samples(
             cases, rounds=args.rounds, per_round=args.per_round, alternate=True
@@ -173,8 +180,13 @@ def main() -> None:
         ray.get(receiver.drop_kept.remote())
         n = args.rounds * 3
         dumps = ray.get(sender.time_dumps.remote(n))
-        payloads = [ray.get(sender.payload.remote()) for _ in range(n)]
-        loads, close = ray.get(receiver.time_loads.remote(payloads))
+        loads_s, close_s = [], []
+        for start in range(0, n, 50):  # in batches: each payload pins its block until received
+            batch = [ray.get(sender.payload.remote()) for _ in range(min(50, n - start))]
+            got = ray.get(receiver.time_loads.remote(batch))
+            loads_s.append(got[0])
+            close_s.append(got[1])
+        loads, close = statistics.median(loads_s), statistics.median(close_s)
     finally:
         ray.shutdown()
 
