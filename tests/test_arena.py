@@ -149,6 +149,7 @@ def test_a_block_an_importer_holds_is_reused_only_after_it_closed_it(gpu, tier, 
             arena.allocate(arena.size)  # the block is not handed out while the child holds it
         assert info.value.held == arena.size
         assert "GPU_SERDE_RELEASE_GRACE_S" in str(info.value)  # why it may outlast the close
+        assert "send one buffer again" in str(info.value)  # and what a sending loop can do
         assert c.run(drop, None)  # the child closes it (and lives on)
         again: list = []
 

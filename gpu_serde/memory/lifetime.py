@@ -62,7 +62,8 @@ from gpu_serde.text import quoted
 
 #: Seconds the exporter still keeps a buffer after its last importer released it, so that a hop
 #: (a Dask scheduler, a Ray task passing it on) that imported and dropped it does not free it
-#: under the next importer. Read at each export.
+#: under the next importer. The environment variable is read when gpu_serde is imported; this
+#: attribute at each export.
 RELEASE_GRACE_S = float(os.environ.get("GPU_SERDE_RELEASE_GRACE_S", "5"))
 #: Seconds without a release after which an importer unmaps the memory it has freed. The driver
 #: unmaps freed imported memory lazily, at this process's next synchronisation (any stream): until

@@ -367,12 +367,19 @@ class ArenaMemoryResource(lifetime.DeviceMemory, MemoryResource):
             if stats["held"]
             else ""
         )
+        fix = (
+            "Sent buffers come back only that long after their last release: size the arena "
+            "for what you send in that time, send one buffer again instead of new ones, or set "
+            "GPU_SERDE_RELEASE_GRACE_S lower before gpu_serde is imported; a larger one: "
+            if stats["held"]
+            else "Close buffers you no longer need (receivers too: close what you received), or "
+            "create a larger one: "
+        )
         message = (
             f"ArenaMemoryResource on GPU {r.uuid} (device {r.ordinal}) cannot allocate "
             f"{human(asked)}: {human(stats['free'])} free, the largest free block "
-            f"{human(stats['largest'])}, in a region of {human(r.size)}{held}. Close buffers "
-            "you no longer need (receivers too: close what you received), or create a larger "
-            f"one: ArenaMemoryResource(device, size={suggested})"
+            f"{human(stats['largest'])}, in a region of {human(r.size)}{held}. {fix}"
+            f"ArenaMemoryResource(device, size={suggested})"
         )
         return ArenaFullError(
             message,
