@@ -8,8 +8,11 @@ code: only the driver calls differ). Two Ray actors, a sender and a receiver, on
 interleaved round by round, each round ``--per-round`` hand-offs, medians over rounds:
 
 - ``int``: Ray's round trip with an int (the baseline);
-- ``plain``: a plain object the size of an arena buffer's pickle: Ray's own cost for carrying any
-  pickled object;
+- ``plain``: a plain object (a ``types.SimpleNamespace`` holding bytes) whose pickle is the size of
+  an arena buffer's: Ray's own cost for carrying any pickled object (the baseline of issue 31's
+  target, as ``handoff_table.py``'s ``plain``);
+- ``bytes``: bytes of that size. Ray carries ``bytes`` raw, without pickling them (as it carries an
+  int through msgpack), so they cost about what an int costs: no baseline for a pickled object;
 - ``arena``: a new 1 MiB ``ArenaMemoryResource`` buffer, closed by the receiver (its release in the
   background), as ``handoff_table.py`` sends it;
 - ``arena, kept``: the same, but the receiver keeps what it received (no release traffic).
@@ -26,6 +29,7 @@ import os
 import pickle
 import statistics
 import time
+import types
 from typing import Any
 
 import _common
@@ -49,7 +53,10 @@ class Sender:
         # a round's buffers made ahead, and as many kept by the receiver: room for both, twice
         self.arena = gpu_serde.ArenaMemoryResource(dev, max(256, 4 * per_round) * BUF)
         self.probe = gpu_serde.ArenaMemoryResource(dev, 1)
-        self.plain = bytes(len(pickle.dumps(self.probe.allocate(1))))
+        size = len(pickle.dumps(self.probe.allocate(1)))
+        self.bytes = bytes(size)
+        pad = size - len(pickle.dumps(types.SimpleNamespace(b=b"")))
+        self.plain = types.SimpleNamespace(b=bytes(max(0, pad)))
         self.ready: list[Any] = []
 
     def _new(self) -> Any:
@@ -71,6 +78,8 @@ class Sender:
             return 7
         if case == "plain":
             return self.plain
+        if case == "bytes":
+            return self.bytes
         return self.ready.pop()
 
     def time_dumps(self, n: int) -> float:
@@ -106,7 +115,7 @@ class Receiver:
         self.kept: list[Any] = []
 
     def consume(self, obj: Any, keep: bool) -> int:
-        if isinstance(obj, (int, bytes)):
+        if isinstance(obj, (int, bytes, types.SimpleNamespace)):
             return 1
         if keep:
             self.kept.append(obj)
@@ -159,6 +168,7 @@ def main() -> None:
         cases = {
             "int": case("int"),
             "plain": case("plain"),
+            "bytes": case("bytes"),
             "arena": case("arena"),
             "arena, kept": case("arena", keep=True),
         }
@@ -191,7 +201,9 @@ def main() -> None:
         ray.shutdown()
 
     med = {k: statistics.median(v) for k, v in samples.items()}
-    over = {k: _common.paired_ci(samples, k, "int") for k in ("plain", "arena", "arena, kept")}
+    over = {
+        k: _common.paired_ci(samples, k, "int") for k in ("plain", "bytes", "arena", "arena, kept")
+    }
     vs_plain = _common.paired_ci(samples, "arena", "plain")
     kept_vs_plain = _common.paired_ci(samples, "arena, kept", "plain")
     print(f"# an arena hand-off in Ray, split ({gpus}; {_common.machine()})")
