@@ -611,6 +611,81 @@ def arena_table(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
+#: issue 31's targets: what the arena may add over a plain object of its payload's size
+FLOOR_TARGETS = {"ray": 0.1e-3, "multiprocessing": 0.15e-3}
+FLOOR_SIZES = [(1 << 20, "1 MiB"), (64 << 20, "64 MiB"), (GIB, "1 GiB"), (4 * GIB, "4 GiB"),
+               (16 * GIB, "16 GiB")]  # fmt: skip
+
+
+def floor_table(runs: list[Run]) -> str:
+    """Issue 31's table from the newest ``handoff_table.py`` run: what the arena adds over the
+    engine's own cost for a plain object of its payload's size, size by size; a buffer sent again
+    and one sent after other GPU traffic against a fresh one (worst size); the first hand-off from
+    a new region, by its size (Markdown)."""
+    run = handoff_table_run(runs)
+    if run is None:
+        return "No run of `benchmarks/handoff_table.py` on a real GPU yet."
+
+    def at(engine: str, path: str, series: str, metric: str = "handoff") -> dict[int, float]:
+        return {
+            r["size_bytes"]: r["value"]
+            for r in rows_of(run, metric=metric, engine=engine, series=series, path=path)
+        }
+
+    head = " | ".join(name for _, name in FLOOR_SIZES)
+    lines = [
+        f"| from a process to another | the engine's cost for a plain object, 1 MiB | arena over "
+        f"it: {head} | target | the same buffer sent again, minus a fresh one (worst size) | "
+        "right after other GPU traffic, minus a fresh one (worst size) |",
+        "|---|---|" + "---|" * len(FLOOR_SIZES) + "---|---|---|",
+    ]
+    firsts = []
+    for title, engine, path, _ in ARENA_PANELS:
+        plain = at(engine, path, "engine.plain_object")
+        arena = at(engine, path, "gpu_serde.arena")
+        if not plain or not arena:
+            continue
+        over = [
+            _ms(arena[size] - plain[size]) if size in arena and size in plain else "not run"
+            for size, _ in FLOOR_SIZES
+        ]
+        worst = []
+        for series in ("gpu_serde.arena.sent_again", "gpu_serde.arena.after_traffic"):
+            other = at(engine, path, series)
+            diffs = [(other[s] - arena[s], s) for s in other if s in arena]
+            if diffs:
+                d, s = max(diffs)
+                worst.append(f"{_ms(d)} ({_size_name(s)})")
+            else:
+                worst.append("not run")
+        target = FLOOR_TARGETS.get(engine)
+        lines.append(
+            f"| {title} | {_ms(plain.get(1 << 20, float('nan')))} | "
+            + " | ".join(over)
+            + f" | {('<= ' + _ms(target)) if target else 'none'} | "
+            + " | ".join(worst)
+            + " |"
+        )
+        first = at(engine, path, "gpu_serde.arena", "handoff_first")
+        if first:
+            firsts.append(
+                f"{title}: "
+                + ", ".join(f"{_ms(v)} ({_size_name(s)})" for s, v in sorted(first.items()))
+            )
+    lines += [
+        "",
+        f"One run of `benchmarks/handoff_table.py` on {run.machine()}, {run.date}: medians of 31 "
+        'interleaved rounds, each a round trip minus the int\'s in the same round; "over it" is '
+        "the arena's median minus the plain object's. The first hand-off from a new region (the "
+        "receiver maps it), by region size, median of 3 (16 GiB: 1): " + "; ".join(firsts) + ".",
+    ]
+    return "\n".join(lines)
+
+
+def _size_name(size: int) -> str:
+    return dict(FLOOR_SIZES).get(size, f"{size:,} bytes")
+
+
 def cross_host_table(runs: list[Run]) -> str:
     """The newest ``cross_host.py`` run: gpu_serde beside the engine moving a host array."""
     found = [r for r in runs if r.real_gpu and r.doc.get("benchmark") == "cross_host"]
@@ -697,6 +772,7 @@ def main(argv: list[str] | None = None) -> int:
     sections = {
         "headlines": table,
         "arena": arena_table(runs),
+        "floor": floor_table(runs),
         "cross_host": cross_host_table(runs),
         "sources": sources(runs),
     }

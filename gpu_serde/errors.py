@@ -81,7 +81,8 @@ class ArenaFullError(HandoffError, MemoryError):
             released them and the grace period, ``GPU_SERDE_RELEASE_GRACE_S``, has passed).
         size: the region's size, in bytes.
         uuid: the GPU's UUID (``GPU-...``).
-        suggested: a region size that would have room (``ArenaMemoryResource(device, size=...)``).
+        suggested: a region size that would have room (``ArenaMemoryResource(device, size=...)``);
+            0 when the request is larger than the GPU's whole memory.
     """
 
     def __init__(

@@ -19,7 +19,8 @@ from gpu_serde.placeholders import UnresolvedDevice, UnresolvedObject, placehold
 
 ACCEPTED = (
     "a cuda.core Device, a gpu_serde.UnresolvedDevice placeholder, a device memory resource "
-    "(DeviceMemoryResource, VirtualMemoryResource), a Buffer from one, or a list or tuple of them"
+    "(DeviceMemoryResource, VirtualMemoryResource, ArenaMemoryResource), a Buffer from one, or a "
+    "list or tuple of them"
 )
 
 

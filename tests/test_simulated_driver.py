@@ -1,5 +1,7 @@
 """The stand-in driver applies CUDA_VISIBLE_DEVICES the way the real one does (FACTS.md)."""
 
+import os
+
 import pytest
 
 from gpu_serde.testing import SimulatedDriverError, SimulatedGPU, child_env, make_gpus
@@ -144,6 +146,29 @@ def test_a_process_where_cuda_started_refuses_to_simulate_other_gpus():
     got = run_child(ACTIVATE_TWICE, child_env(GPUS))
     assert got["count"] == 3
     assert "CUDA has started in this process on 3 other simulated GPU(s)" in got["error"]
+
+
+REACTIVATE = """
+import os
+from gpu_serde.testing import activate, make_gpus
+from gpu_serde.inventory import inventory
+activate(make_gpus(2))  # as the top of a script that a spawned child runs again
+report(visible=os.environ.get("CUDA_VISIBLE_DEVICES"), count=len(inventory().devices))
+"""
+
+
+def test_a_child_that_activates_its_parents_gpus_again_keeps_what_its_parent_made_visible():
+    gpus = make_gpus(2)
+    got = run_child(REACTIVATE, child_env(gpus, ""))  # the parent hid every GPU from it
+    assert got == {"visible": "", "count": 0}
+    got = run_child(REACTIVATE, child_env(gpus, "1"))
+    assert got == {"visible": "1", "count": 1}
+
+
+def test_activate_without_a_parents_gpus_makes_all_visible():
+    base = {k: v for k, v in os.environ.items() if k != "GPU_SERDE_SIM_GPUS"}
+    got = run_child(REACTIVATE, {**base, "CUDA_VISIBLE_DEVICES": "0"})  # a stale shell value
+    assert got == {"visible": None, "count": 2}
 
 
 def test_it_does_not_shadow_a_real_driver_unless_asked(tmp_path, monkeypatch):

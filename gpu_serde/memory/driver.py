@@ -207,6 +207,17 @@ def create(ordinal: int, size: int) -> int:
             driver.cuMemRelease(handle)  # the mapping keeps the memory
 
 
+def memory(ordinal: int) -> tuple[int, int] | None:
+    """Device ``ordinal``'s free and total memory in bytes (``cuMemGetInfo``), or None when the
+    driver cannot say. Never raises."""
+    try:
+        with context(ordinal):
+            err, free, total = driver.cuMemGetInfo()
+    except Exception:
+        return None
+    return (int(free), int(total)) if err == _SUCCESS else None
+
+
 def unmap(ordinal: int, base: int, size: int) -> None:
     """Unmap a region here and free its address range (its memory goes once no process maps it
     and no descriptor of it is open). Never raises."""
@@ -293,6 +304,12 @@ def record_after(event: Any, stream: int) -> None:
     if driver.cuEventQuery(event)[0] == _NOT_READY:
         check("cuStreamWaitEvent", driver.cuStreamWaitEvent(stream, event, 0))
     check("cuEventRecord", driver.cuEventRecord(event, stream))
+
+
+def idle(stream: int) -> bool:
+    """True when all the work queued on ``stream`` (a raw handle; the caller's context is
+    current) has completed; False when some has not, or the driver cannot say."""
+    return bool(driver.cuStreamQuery(stream)[0] == _SUCCESS)
 
 
 def wait(event: Any) -> None:

@@ -316,6 +316,12 @@ def activate(
     the same GPUs is harmless; CUDA reads ``CUDA_VISIBLE_DEVICES`` once, so later changes take no
     effect here.
 
+    ``visible`` is this process's ``CUDA_VISIBLE_DEVICES`` (as :func:`child_env` takes it;
+    ``None``: all GPUs), except in a process whose parent activated the same GPUs and gave it a
+    ``CUDA_VISIBLE_DEVICES`` of its own: with ``visible=None`` that one is kept. A
+    ``multiprocessing`` child started with ``spawn`` runs the top of its parent's script again,
+    ``activate`` included, and must still see what its parent gave it.
+
     Raises:
         SimulatedDriverError: a real driver is loaded or present (see :func:`child_env`), or CUDA
             has started here on other simulated GPUs (a process's GPUs are fixed from then on:
@@ -331,9 +337,12 @@ def activate(
             "on: activate before anything uses CUDA, or run the other GPUs in another process "
             "(child_env(gpus) is its environment)"
         )
+    given = visible is None and active == env[SPEC_ENV] and "CUDA_VISIBLE_DEVICES" in os.environ
     for key in ("LD_LIBRARY_PATH", SPEC_ENV):
         os.environ[key] = env[key]
-    if "CUDA_VISIBLE_DEVICES" in env:
+    if given:
+        pass  # the parent that activated these GPUs chose this process's
+    elif "CUDA_VISIBLE_DEVICES" in env:
         os.environ["CUDA_VISIBLE_DEVICES"] = env["CUDA_VISIBLE_DEVICES"]
     else:
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)

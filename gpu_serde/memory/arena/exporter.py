@@ -54,6 +54,19 @@ def exported(region: bytes) -> ArenaMemoryResource | None:
     return _exported.get(region)
 
 
+def _room(ordinal: int) -> str:
+    """What the GPU has, for a message: '; the GPU has ... free of ...: create it with at most
+    ...' (empty when the driver cannot say)."""
+    got = _driver.memory(ordinal)
+    if got is None:
+        return ""
+    free, total = got
+    return (
+        f"; the GPU has {human(free)} free of {human(total)}: create it with at most the free "
+        "memory, or free memory on this GPU first (other processes' too: nvidia-smi lists them)"
+    )
+
+
 def human(n: int) -> str:
     """``n`` bytes for a message: ``3.0 MiB (3,145,728 bytes)``."""
     size, unit = float(n), "bytes"
@@ -73,7 +86,13 @@ class _Region:
         with _driver.context(self.ordinal):  # the device need not be current in this thread
             self.default_stream = int(dev.default_stream.handle)
         self.size = align_up(size, _driver.granularity(self.ordinal))
-        self.base = _driver.create(self.ordinal, self.size)
+        try:
+            self.base = _driver.create(self.ordinal, self.size)
+        except HandoffError as exc:
+            raise HandoffError(
+                f"ArenaMemoryResource on GPU {self.uuid} (device {self.ordinal}): the driver "
+                f"refused a region of {human(self.size)} ({exc}){_room(self.ordinal)}"
+            ) from None
         self.id = secrets.token_bytes(16)
         self.ranges = Ranges(self.size)
         self.lock = threading.Lock()  # held, deferred, pending, the payload; never in a free
@@ -281,8 +300,8 @@ class ArenaMemoryResource(lifetime.DeviceMemory, MemoryResource):
     ``Buffer`` objects. Pickled (task arguments and results, ``ray.put``, Dask futures, a
     ``multiprocessing.Queue``) in a process where gpu_serde is installed, a buffer travels as an
     offset in the region: the first buffer a process receives from a region maps the region there
-    (the one-time cost, which grows with the region's size); every later one costs a round trip to
-    the exporter's broker and no mapping. See ``docs/memory.md``.
+    (the one-time cost, about a millisecond at any size); every later one costs a hold on it at
+    the exporter (a lock in its holds file: no round trip) and no mapping. See ``docs/memory.md``.
 
     Args:
         device: the GPU (a ``Device`` or an ordinal of this process).
@@ -293,7 +312,7 @@ class ArenaMemoryResource(lifetime.DeviceMemory, MemoryResource):
         TypeError: ``device`` is not a Device or an int, or ``size`` not an int.
         ValueError: ``size`` is not positive.
         HandoffError: the driver refused the region (the message names its error, e.g.
-            ``CUDA_ERROR_OUT_OF_MEMORY``).
+            ``CUDA_ERROR_OUT_OF_MEMORY``, and what the GPU has free).
 
     Rules (``docs/memory.md``): a buffer is allocated on a stream (``allocate(size, stream)``,
     default: the device's default stream); write it on that stream, or order other work before it,
@@ -329,12 +348,17 @@ class ArenaMemoryResource(lifetime.DeviceMemory, MemoryResource):
         Raises:
             ArenaFullError: no free block is that large (the message says what is free and what
                 size to create the resource with).
-            TypeError, ValueError: ``size`` is not a positive int.
+            TypeError, ValueError: ``size`` is not a positive int, or ``stream`` not a
+                ``Stream``.
         """
         if not isinstance(size, int) or isinstance(size, bool):
             raise TypeError(f"allocate(size) takes an int, not {type(size).__name__}")
         if size <= 0:
             raise ValueError(f"allocate(size) must be positive, not {size}")
+        if stream is not None and not isinstance(stream, Stream):
+            raise TypeError(
+                f"allocate(stream=...): a cuda.core Stream or None, not {type(stream).__name__}"
+            )
         r = self._r
         ptr = r.take(size)
         if ptr is None:
@@ -367,6 +391,20 @@ class ArenaMemoryResource(lifetime.DeviceMemory, MemoryResource):
             if stats["held"]
             else ""
         )
+        room = _driver.memory(r.ordinal)
+        if room is not None and asked > room[1]:
+            return ArenaFullError(
+                f"ArenaMemoryResource on GPU {r.uuid} (device {r.ordinal}) cannot allocate "
+                f"{human(asked)}: more than the GPU's whole memory ({human(room[1])}). Split "
+                "the data into buffers that fit, or use a GPU with more memory",
+                requested=asked,
+                free=stats["free"],
+                largest=stats["largest"],
+                held=stats["held"],
+                size=r.size,
+                uuid=r.uuid,
+                suggested=0,
+            )
         fix = (
             "Sent buffers come back only that long after their last release: size the arena "
             "for what you send in that time, send one buffer again instead of new ones, or set "
