@@ -162,6 +162,29 @@ def test_a_full_arena_in_a_comprehension_raises_arena_full_error_and_keeps_no_bl
     assert wait_until(whole_region_free)
 
 
+def test_an_arena_larger_than_the_gpu_says_what_the_gpu_has(gpu, tier):
+    with pytest.raises(gpu_serde.HandoffError) as info:
+        ArenaMemoryResource(gpu, 1 << 50)
+    says = str(info.value)
+    assert "CUDA_ERROR_OUT_OF_MEMORY" in says and "the GPU has" in says and "free of" in says
+
+
+def test_a_buffer_larger_than_the_gpu_says_so_and_suggests_no_size(gpu, tier):
+    arena = ArenaMemoryResource(gpu, 4 << 20)
+    with pytest.raises(ArenaFullError) as info:
+        arena.allocate(1 << 60)
+    assert "more than the GPU's whole memory" in str(info.value)
+    assert info.value.suggested == 0 and info.value.requested == 1 << 60
+
+
+def test_allocate_checks_its_stream_before_it_looks_for_room(gpu, tier):
+    arena = ArenaMemoryResource(gpu, 2 << 20)
+    kept = arena.allocate(2 << 20)  # full
+    with pytest.raises(TypeError, match=r"a cuda\.core Stream or None, not str"):
+        arena.allocate(1024, stream="x")
+    kept.close()
+
+
 def test_a_block_an_importer_holds_is_reused_only_after_it_closed_it(gpu, tier, monkeypatch):
     arena = ArenaMemoryResource(gpu, tier.size)
     buf = arena.allocate(arena.size)
@@ -255,10 +278,11 @@ def test_memory_from_another_host_is_the_typed_error(gpu, tier, monkeypatch):
     assert got["error"] == "OtherHostError" and "another host" in got["message"]
 
 
-def test_a_killed_exporter_gives_exporter_gone_error(gpu, tier):
+def test_a_killed_exporter_gives_exporter_gone_error_that_says_what_to_do(gpu, tier):
     got = pickle.loads(killed_exporter_payload(tier, "arena"))  # never raises: the error waits
-    with pytest.raises(gpu_serde.ExporterGoneError):
+    with pytest.raises(gpu_serde.ExporterGoneError) as info:
         gpu_serde.resolve(got)
+    assert "killed" in str(info.value) and "keep the sender alive" in str(info.value).lower()
 
 
 @pytest.fixture(scope="module")

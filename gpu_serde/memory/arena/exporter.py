@@ -381,44 +381,38 @@ class ArenaMemoryResource(lifetime.DeviceMemory, MemoryResource):
 
     def _full(self, asked: int) -> ArenaFullError:
         r, stats = self._r, self._r.stats()
-        gran = _driver.granularity(r.ordinal)
-        suggested = align_up(max(2 * r.size, r.size + align_up(asked)), gran)
-        held = (
-            f"; {human(stats['held'])} of it are buffers sent and still held for importers "
-            "(given back once every importer released them and "
-            f"{lifetime.RELEASE_GRACE_S:g} s more have passed, the grace for a payload read "
-            "again: GPU_SERDE_RELEASE_GRACE_S)"
-            if stats["held"]
-            else ""
-        )
+        head = f"ArenaMemoryResource on GPU {r.uuid} (device {r.ordinal}) cannot allocate "
         room = _driver.memory(r.ordinal)
         if room is not None and asked > room[1]:
-            return ArenaFullError(
-                f"ArenaMemoryResource on GPU {r.uuid} (device {r.ordinal}) cannot allocate "
-                f"{human(asked)}: more than the GPU's whole memory ({human(room[1])}). Split "
-                "the data into buffers that fit, or use a GPU with more memory",
-                requested=asked,
-                free=stats["free"],
-                largest=stats["largest"],
-                held=stats["held"],
-                size=r.size,
-                uuid=r.uuid,
-                suggested=0,
+            suggested = 0
+            message = (
+                f"{head}{human(asked)}: more than the GPU's whole memory ({human(room[1])}). "
+                "Split the data into buffers that fit, or use a GPU with more memory"
             )
-        fix = (
-            "Sent buffers come back only that long after their last release: size the arena "
-            "for what you send in that time, send one buffer again instead of new ones, or set "
-            "GPU_SERDE_RELEASE_GRACE_S lower before gpu_serde is imported; a larger one: "
-            if stats["held"]
-            else "Close buffers you no longer need (receivers too: close what you received), or "
-            "create a larger one: "
-        )
-        message = (
-            f"ArenaMemoryResource on GPU {r.uuid} (device {r.ordinal}) cannot allocate "
-            f"{human(asked)}: {human(stats['free'])} free, the largest free block "
-            f"{human(stats['largest'])}, in a region of {human(r.size)}{held}. {fix}"
-            f"ArenaMemoryResource(device, size={suggested})"
-        )
+        else:
+            gran = _driver.granularity(r.ordinal)
+            suggested = align_up(max(2 * r.size, r.size + align_up(asked)), gran)
+            held = (
+                f"; {human(stats['held'])} of it are buffers sent and still held for importers "
+                "(given back once every importer released them and "
+                f"{lifetime.RELEASE_GRACE_S:g} s more have passed, the grace for a payload read "
+                "again: GPU_SERDE_RELEASE_GRACE_S)"
+                if stats["held"]
+                else ""
+            )
+            fix = (
+                "Sent buffers come back only that long after their last release: size the arena "
+                "for what you send in that time, send one buffer again instead of new ones, or "
+                "set GPU_SERDE_RELEASE_GRACE_S lower before gpu_serde is imported; a larger one: "
+                if stats["held"]
+                else "Close buffers you no longer need (receivers too: close what you received), "
+                "or create a larger one: "
+            )
+            message = (
+                f"{head}{human(asked)}: {human(stats['free'])} free, the largest free block "
+                f"{human(stats['largest'])}, in a region of {human(r.size)}{held}. {fix}"
+                f"ArenaMemoryResource(device, size={suggested})"
+            )
         return ArenaFullError(
             message,
             requested=asked,
