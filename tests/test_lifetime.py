@@ -319,12 +319,17 @@ def check_slowly(buf) -> dict:
 
 
 def settle(futures, timeout: float = 300) -> dict:
-    """Wait until every future is done; how many finished and how many erred."""
+    """Wait until every future is done; how many finished and how many erred. A result lost
+    with a killed worker ("lost": the scheduler computes it again) is waited for too."""
     from distributed import wait
 
-    wait(futures, timeout=timeout)
-    statuses = [f.status for f in futures]
-    return {s: statuses.count(s) for s in set(statuses)}
+    deadline = time.monotonic() + timeout
+    while True:
+        wait(futures, timeout=max(1.0, deadline - time.monotonic()))
+        statuses = [f.status for f in futures]
+        if "lost" not in statuses or time.monotonic() > deadline:
+            return {s: statuses.count(s) for s in set(statuses)}
+        time.sleep(0.1)
 
 
 def check_after(buf, _gate) -> dict:
