@@ -141,7 +141,7 @@ def test_a_full_arena_raises_arena_full_error_that_says_how_big_to_make_it(gpu, 
 @pytest.mark.xfail(
     sys.version_info < (3, 12),
     strict=False,
-    reason="cuda.core 1.2.0 to 1.2.2 on Python 3.11: Buffers of a Python MemoryResource dropped "
+    reason="cuda.core 1.2.0 to 1.2.2 on Python 3.10 and 3.11: Buffers of a Python MemoryResource dropped "
     "while an exception propagates (a list comprehension that fails part-way) lose the exception "
     "(SystemError: error return without exception set), and all but the first are never "
     "deallocated. Python 3.12 passes",
