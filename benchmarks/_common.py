@@ -18,6 +18,13 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+#: What a run on simulated GPUs says about its verdicts.
+SIMULATED_VERDICTS = (
+    "On simulated GPUs: the targets are set for one real GPU (an H200); here the verdicts only "
+    "show that the benchmark runs. A small machine's noise, not gpu_serde, decides most of them."
+)
+
+
 def use_gpus() -> str:
     """Real GPUs when a driver is present, else four simulated ones; returns a description."""
     from gpu_serde import testing

@@ -29,6 +29,9 @@ SERIES = {  # handoff_table's path -> series (the default depends on the engine)
     "pool": "gpu_serde.kept",
     "rdt": "ray_rdt.cuda_ipc.torch",
 }
+#: issue 31: what the arena may add over the engine's cost for a plain object of its payload's
+#: size, by handoff_table's engine
+OVER_PLAIN_S = {"ray-actor": 0.1e-3, "ray-task": 0.1e-3, "mp": 0.15e-3}
 DEFAULT = {
     "ray-actor": "engine_default.torch",
     "ray-task": "engine_default.torch",

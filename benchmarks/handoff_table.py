@@ -64,13 +64,11 @@ from typing import Any
 
 import _handoff_parts as parts
 import _results
-from _common import machine, paired_ci, times, use_gpus
+from _common import SIMULATED_VERDICTS, machine, paired_ci, times, use_gpus
 
 UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 TIMEOUT_S = 600
 TARGET_S = 0.3e-3
-#: issue 31: what the arena may add over the engine's cost for a plain object of its payload's size
-OVER_PLAIN_S = {"ray-actor": 0.1e-3, "ray-task": 0.1e-3, "mp": 0.15e-3}
 FLAT = 1.2
 VS_RDT = 10.0
 PATH_NAMES = {
@@ -540,7 +538,7 @@ def over_plain(
     plain = {s: at[("plain", s)]["handoff_s"] for s in arena if ("plain", s) in at}
     if plain:
         worst = max(arena[s]["handoff_s"] - plain[s] for s in plain)
-        target = OVER_PLAIN_S.get(engine)
+        target = _results.OVER_PLAIN_S.get(engine)
         goal = (
             f"target <= {target * 1e3:.2f} ms: {'meets' if worst <= target else 'MISSES'} target"
             if target
@@ -652,20 +650,12 @@ def main() -> None:
     run_engines(run, steps)
     print(f"# GPU buffer hand-off ({dev.name}; {gpus}; {machine()}; {run.elapsed()})")
     if not real:
-        print(SIMULATED_VERDICTS)
+        print(f"\n{SIMULATED_VERDICTS}")
     for engine in ("ray-actor", "ray-task", "dask", "mp"):
         table(run, engine)
     first_table(run)
     print_left_out(run)
     write(run, dev, not real, "handoff_table", _results.handoff_rows, first_handoff=run.first)
-
-
-#: What a run on simulated GPUs says about its verdicts.
-SIMULATED_VERDICTS = (
-    "\nOn simulated GPUs: the targets are set for one real GPU (issues 22 and 31, on an H200); "
-    "here the verdicts only show that the benchmark runs. A small machine's noise, not gpu_serde, "
-    "decides most of them."
-)
 
 
 def print_left_out(run: Run) -> None:

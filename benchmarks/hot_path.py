@@ -209,10 +209,7 @@ def main() -> None:
     print(f"# an arena hand-off in Ray, split ({gpus}; {_common.machine()})")
     print(f"int round trip: {med['int'] * 1e3:.3f} ms; medians over {args.rounds} rounds\n")
     if "simulated" in gpus:
-        print(
-            "On simulated GPUs the split is the same code, but the target is set for a real GPU "
-            "(issue 31, an H200): the verdict only shows that the benchmark runs.\n"
-        )
+        print(f"{_common.SIMULATED_VERDICTS}\n")
     print("| case | adds to the int's round trip (95% interval) |")
     print("|---|---|")
     for k, (m, lo, hi) in over.items():

@@ -31,6 +31,8 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
+import _results
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
@@ -611,12 +613,6 @@ def arena_table(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
-#: issue 31's targets: what the arena may add over a plain object of its payload's size
-FLOOR_TARGETS = {"ray": 0.1e-3, "multiprocessing": 0.15e-3}
-FLOOR_SIZES = [(1 << 20, "1 MiB"), (64 << 20, "64 MiB"), (GIB, "1 GiB"), (4 * GIB, "4 GiB"),
-               (16 * GIB, "16 GiB")]  # fmt: skip
-
-
 def floor_table(runs: list[Run]) -> str:
     """Issue 31's table from the newest ``handoff_table.py`` run: what the arena adds over the
     engine's own cost for a plain object of its payload's size, size by size; a buffer sent again
@@ -632,13 +628,14 @@ def floor_table(runs: list[Run]) -> str:
             for r in rows_of(run, metric=metric, engine=engine, series=series, path=path)
         }
 
-    head = " | ".join(name for _, name in FLOOR_SIZES)
+    head = " | ".join(name for _, name in ARENA_SIZES)
     lines = [
         f"| from a process to another | the engine's cost for a plain object, 1 MiB | arena over "
         f"it: {head} | target | the same buffer sent again, minus a fresh one (worst size) | "
         "right after other GPU traffic, minus a fresh one (worst size) |",
-        "|---|---|" + "---|" * len(FLOOR_SIZES) + "---|---|---|",
+        "|---|---|" + "---|" * len(ARENA_SIZES) + "---|---|---|",
     ]
+    targets = {_results.ENGINES[k]: v for k, v in _results.OVER_PLAIN_S.items()}
     firsts = []
     for title, engine, path, _ in ARENA_PANELS:
         plain = at(engine, path, "engine.plain_object")
@@ -647,7 +644,7 @@ def floor_table(runs: list[Run]) -> str:
             continue
         over = [
             _ms(arena[size] - plain[size]) if size in arena and size in plain else "not run"
-            for size, _ in FLOOR_SIZES
+            for size, _ in ARENA_SIZES
         ]
         worst = []
         for series in ("gpu_serde.arena.sent_again", "gpu_serde.arena.after_traffic"):
@@ -655,10 +652,10 @@ def floor_table(runs: list[Run]) -> str:
             diffs = [(other[s] - arena[s], s) for s in other if s in arena]
             if diffs:
                 d, s = max(diffs)
-                worst.append(f"{_ms(d)} ({_size_name(s)})")
+                worst.append(f"{_ms(d)} ({_results.label(s)})")
             else:
                 worst.append("not run")
-        target = FLOOR_TARGETS.get(engine)
+        target = targets.get((engine, path))
         lines.append(
             f"| {title} | {_ms(plain.get(1 << 20, float('nan')))} | "
             + " | ".join(over)
@@ -670,7 +667,7 @@ def floor_table(runs: list[Run]) -> str:
         if first:
             firsts.append(
                 f"{title}: "
-                + ", ".join(f"{_ms(v)} ({_size_name(s)})" for s, v in sorted(first.items()))
+                + ", ".join(f"{_ms(v)} ({_results.label(s)})" for s, v in sorted(first.items()))
             )
     lines += [
         "",
@@ -680,10 +677,6 @@ def floor_table(runs: list[Run]) -> str:
         "receiver maps it), by region size, median of 3 (16 GiB: 1): " + "; ".join(firsts) + ".",
     ]
     return "\n".join(lines)
-
-
-def _size_name(size: int) -> str:
-    return dict(FLOOR_SIZES).get(size, f"{size:,} bytes")
 
 
 def cross_host_table(runs: list[Run]) -> str:
