@@ -584,6 +584,23 @@ def test_a_held_object_is_let_go_after_its_last_importer_releases_it():
         b.close()
 
 
+def test_an_object_due_sooner_than_the_release_threads_next_look_is_let_go_on_time():
+    b = Broker()
+    let_go = []
+    try:
+        slow = b.hold("slow", let_go.append, grace=30)
+        fast = b.hold("fast", let_go.append, grace=0.1)
+        acquire(b.address, slow)
+        acquire(b.address, fast)
+        assert release(b.address, slow)  # the release thread plans its next look in 30 s
+        time.sleep(0.2)
+        assert release(b.address, fast)  # due in 0.1 s: the release thread is woken for it
+        assert wait_for(lambda: let_go == ["fast"], timeout=3.0)
+        assert b.peek(slow) == "slow" and b.held() == 1
+    finally:
+        b.close()
+
+
 def test_an_exiting_exporter_lets_nothing_go_from_its_thread_while_python_is_torn_down():
     b = Broker()
     let_go = []

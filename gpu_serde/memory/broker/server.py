@@ -36,6 +36,7 @@ import atexit
 import contextlib
 import fcntl
 import functools
+import math
 import os
 import secrets
 import select
@@ -140,7 +141,8 @@ class Broker:
         self._exiting = False  # set at exit: nothing is let go any more
         self._accepting = True  # False once handed to a keeper
         self._conns: dict[socket.socket, threading.Thread] = {}  # connections being served
-        self._due = threading.Event()  # an object's last holder went
+        self._due = threading.Event()  # an object is due sooner than the release thread planned
+        self._wake_at = math.inf  # when the release thread plans to look next (with the lock)
         self._wake_r, self._wake_w = os.pipe()  # wakes the serving thread (a close, a hand-off)
         if sock is None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -303,12 +305,14 @@ class Broker:
             tokens = self._held_over.get(conn)
             if not tokens or not tokens.get(token):
                 return NO  # not held over this connection: another process's, or none
-            self._let_one_go(conn, token, tokens, 1)
-        self._due.set()
+            sooner = self._let_one_go(conn, token, tokens, 1)
+        if sooner:  # else the release thread wakes in time anyway: one wake-up less per release
+            self._due.set()
         return OK
 
-    def _let_one_go(self, conn: int, token: bytes, tokens: dict[bytes, int], n: int) -> None:
-        """Take ``n`` holds of ``token`` off connection ``conn`` (with the lock)."""
+    def _let_one_go(self, conn: int, token: bytes, tokens: dict[bytes, int], n: int) -> bool:
+        """Take ``n`` holds of ``token`` off connection ``conn`` (with the lock). True when that
+        makes the object due before the release thread's next look (it must be woken)."""
         left = tokens[token] - n
         if left > 0:
             tokens[token] = left
@@ -318,7 +322,7 @@ class Broker:
                 self._held_over.pop(conn, None)
         entry = self._holds.get(token)
         if entry is None:
-            return
+            return False
         count = entry.holders.get(conn, 0) - n
         if count > 0:
             entry.holders[conn] = count
@@ -326,6 +330,8 @@ class Broker:
             entry.holders.pop(conn, None)
         if not entry.holders and not entry.unclaimed:
             entry.due = time.monotonic() + entry.grace
+            return entry.due < self._wake_at
+        return False
 
     def _connection_gone(self, conn: int) -> None:
         """Drop every hold taken over connection ``conn`` (its process exited, died, or closed
@@ -335,21 +341,26 @@ class Broker:
             tokens = self._held_over.get(conn)
             if not tokens:
                 return
+            sooner = False
             for token, n in list(tokens.items()):
-                self._let_one_go(conn, token, tokens, n)
-        self._due.set()
+                sooner = self._let_one_go(conn, token, tokens, n) or sooner
+        if sooner:
+            self._due.set()
 
     def _holds_over(self, conn: int) -> bool:
         with self._lock:
             return bool(self._held_over.get(conn))
 
     def _release_loop(self) -> None:
-        """The release thread: lets go of objects once their grace has passed."""
+        """The release thread: lets go of objects once their grace has passed. It is woken only
+        for an object due before the look it planned (a release at the default grace is due
+        after the objects released before it: no wake-up)."""
         while not self._closed and not self._exiting:
             with self._lock:
-                due = [e.due for e in self._holds.values() if e.due is not None]
-            self._due.wait(max(0.0, min(due) - time.monotonic()) if due else None)
-            self._due.clear()
+                due = min((e.due for e in self._holds.values() if e.due is not None), default=None)
+                self._wake_at = math.inf if due is None else due
+            self._due.wait(None if due is None else max(0.0, due - time.monotonic()))
+            self._due.clear()  # what was set after this is in the table: the next look sees it
             if not self._exiting:
                 self._sweep()
 
