@@ -12,6 +12,7 @@ import contextlib
 import os
 import pickle
 import sys
+import time
 
 import pytest
 from cuda.core import Device
@@ -417,3 +418,59 @@ def test_a_block_freed_on_a_busy_stream_is_handed_out_only_after_that_streams_wo
     host = np.empty(gib // 4, dtype=np.uint32)
     assert driver.cuMemcpyDtoH(host, where, gib)[0] == driver.CUresult.CUDA_SUCCESS
     assert (host == 2).all()  # the old stream's write did not land on the new buffer
+
+
+def close_behind_work(buf) -> dict:
+    """Job: queue 2 s of work, then a write of 1s to the buffer, on a stream of this process's
+    own, and close the buffer on that stream while the write is still queued."""
+    from cuda.bindings import driver
+
+    buf = gpu_serde.resolve(buf)
+    dev = Device(buf.device_id)
+    dev.set_current()
+    busy = dev.create_stream()
+    spin(dev, busy, 2_000_000_000)
+    (err,) = driver.cuMemsetD32Async(int(buf.handle), 1, buf.size // 4, int(busy.handle))
+    assert err == driver.CUresult.CUDA_SUCCESS
+    queued = driver.cuStreamQuery(busy.handle)[0] == driver.CUresult.CUDA_ERROR_NOT_READY
+    buf.close(busy)
+    return {"queued at the close": queued}
+
+
+@pytest.mark.gpu
+def test_a_received_buffer_closed_on_a_busy_stream_comes_back_only_after_that_streams_work(
+    real_installed, monkeypatch
+):
+    import numpy as np
+    from cuda.bindings import driver
+
+    real_gpu = real_installed
+    short_release_grace(monkeypatch, 0.0)
+    gib = 1 << 30
+    dev = Device(len(real_gpu) - 1)
+    dev.set_current()
+    arena = ArenaMemoryResource(dev, gib)
+    buf = arena.allocate(gib)
+    where = int(buf.handle)
+    with child(monkeypatch, real_gpu[-1].uuid) as c:
+        got = c.run(close_behind_work, buf)
+        closed = time.monotonic()
+        buf.close()
+        assert got == {"queued at the close": True}  # else the test means nothing
+        other = dev.create_stream()
+        while True:  # the same block: it comes back once the child's stream is done
+            try:
+                b = arena.allocate(gib, stream=other)
+                break
+            except ArenaFullError:
+                assert time.monotonic() - closed < 20, "the block never came back"
+                time.sleep(0.01)
+        assert int(b.handle) == where
+        (err,) = driver.cuMemsetD32Async(where, 2, gib // 4, int(other.handle))
+        assert err == driver.CUresult.CUDA_SUCCESS
+        other.sync()
+        time.sleep(max(0.0, closed + 3.0 - time.monotonic()))  # the child's write has landed
+        host = np.empty(gib // 4, dtype=np.uint32)
+        assert driver.cuMemcpyDtoH(host, where, gib)[0] == driver.CUresult.CUDA_SUCCESS
+        assert (host == 2).all()  # it landed before the block came back, not on the new buffer
+        b.close()

@@ -306,6 +306,12 @@ def record_after(event: Any, stream: int) -> None:
     check("cuEventRecord", driver.cuEventRecord(event, stream))
 
 
+def idle(stream: int) -> bool:
+    """True when all the work queued on ``stream`` (a raw handle; the caller's context is
+    current) has completed; False when some has not, or the driver cannot say."""
+    return bool(driver.cuStreamQuery(stream)[0] == _SUCCESS)
+
+
 def wait(event: Any) -> None:
     """Block until ``event`` has completed.
 

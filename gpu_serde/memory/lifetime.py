@@ -254,6 +254,8 @@ def remember(obj: object, reduction: tuple[Any, ...]) -> None:
 
 # ---- the importer's side ----
 WHOLE_DEVICE = "device"  #: release once the whole device is idle (nobody said which stream)
+#: release now: the free's stream had nothing left to do when the buffer was closed
+AT_ONCE = "at once"
 _releases: queue.SimpleQueue[tuple[Any, str, bytes, int]] = queue.SimpleQueue()
 _live: dict[int, tuple[str, bytes, int]] = {}  # key -> (broker address, hold token, device)
 _keys = itertools.count(1)
@@ -303,12 +305,20 @@ class Import:
 
     def release(self, event: object) -> None:
         """Tell the exporter from the release thread once ``event`` (an ``Event`` recorded after
-        the free, or :data:`WHOLE_DEVICE`) has completed. Never raises, takes no lock, does no
-        I/O (it may run during garbage collection, in any thread); the second call does
-        nothing."""
+        the free, or :data:`WHOLE_DEVICE`) has completed; :data:`AT_ONCE` tells it here and now,
+        unless another thread is using this process's connection to the exporter (then the
+        release thread does). Never raises, never waits for a lock (it may run during garbage
+        collection, in any thread); the second call does nothing."""
         item = _live.pop(self.key, None)
-        if item is not None:
-            _releases.put((event, *item))
+        if item is None:
+            return
+        if event is AT_ONCE:
+            try:
+                if _broker.release(item[0], item[1], wait=False) is not None:
+                    return
+            except Exception:  # the release thread tries again
+                pass
+        _releases.put((event, *item))
 
 
 class DeviceMemory:
@@ -367,6 +377,10 @@ class Imported(MappedDeviceMemory, MemoryResource):
 
     #: What ``allocate`` says (a subclass names where to allocate instead).
     refusal = "memory received from another process cannot allocate more: allocate in the exporter"
+    #: True for a kind whose free makes no driver call (the mapping stays): an explicit close on
+    #: a stream with no work left then tells the exporter at once, in the closing thread, with no
+    #: event and no wake-up of the release thread (the hot path of a hand-off).
+    tells_at_close = False
 
     def __init__(self, hold: Import, device: int) -> None:
         self._hold = hold
@@ -413,7 +427,10 @@ class Imported(MappedDeviceMemory, MemoryResource):
                 s = Device(self._device).default_stream
                 self._free(int(ptr), size, s)
             if closed and isinstance(s, Stream):
-                event = s.record(options=EventOptions(blocking_sync=True))
+                if self.tells_at_close and _driver.idle(int(s.handle)):
+                    event = AT_ONCE
+                else:
+                    event = s.record(options=EventOptions(blocking_sync=True))
         self._hold.release(event)
 
     @property
@@ -431,7 +448,8 @@ def _tell(event: object, address: str, token: bytes, device: int) -> None:
     try:
         if event is WHOLE_DEVICE:
             raise LookupError  # no stream says when the work on it is done: the whole device
-        event.sync()  # type: ignore[attr-defined]  # the event follows the free on its stream
+        if event is not AT_ONCE:  # (at once: the stream was idle at the close)
+            event.sync()  # type: ignore[attr-defined]  # the event follows the free on its stream
     except Exception:  # the whole device, through the driver (Device.sync() is the runtime's)
         with contextlib.suppress(Exception), _driver.context(device):
             _driver.check("cuCtxSynchronize", cuda_driver.cuCtxSynchronize())
@@ -469,7 +487,7 @@ def _release_worker() -> None:
             return  # no driver call after this: the interpreter is being torn down
         with contextlib.suppress(Exception):  # a dead thread would stop all releases
             _tell(*item)
-        if item[0] is not WHOLE_DEVICE and item[3] >= 0:
+        if item[0] is not WHOLE_DEVICE and item[0] is not AT_ONCE and item[3] >= 0:
             freed.add(item[3])
 
 

@@ -191,6 +191,7 @@ class ImportedArenaMemory(Imported):
         "an arena received from another process cannot allocate: allocate from the "
         "ArenaMemoryResource in the exporting process and send the buffer"
     )
+    tells_at_close = True  # freeing a block unmaps nothing: the region stays
 
     def __init__(self, arena: ImportedArena, hold: Import) -> None:
         super().__init__(hold, arena.device_id)

@@ -686,17 +686,28 @@ def acquire(address: str, token: bytes, block: bytes = NO_CHECK, *, timeout: flo
             _close_idle(MAX_IDLE)
 
 
-def release(address: str, token: bytes, *, timeout: float = 1.0, gone: bool = False) -> bool:
+def release(
+    address: str, token: bytes, *, timeout: float = 1.0, gone: bool = False, wait: bool = True
+) -> bool | None:
     """Give back one of this process's holds on the block under ``token``: the last one unlocks
     it, and the exporter is told with a note. True if this process held it (a process can
     release only its own holds). Never raises for a vanished exporter (nothing is left to
     release), unless ``gone`` asks for its :class:`~gpu_serde.ExporterGoneError` when the note
-    could be neither sent nor queued."""
-    with _links_lock:
-        link = _links.get(address)
+    could be neither sent nor queued. ``wait=False`` (a caller that may run inside this
+    module's own locked sections: a collection) takes no lock it would wait for and makes no
+    new connection: None, and nothing done, when either would be needed."""
+    if wait:
+        with _links_lock:
+            link = _links.get(address)
+    else:
+        link = _links.get(address)  # one dict read: atomic
     if link is None or token not in link.held:
         return False
-    link.lock.acquire()
+    if not link.lock.acquire(blocking=wait):
+        return None
+    if not wait and link.sock is None:
+        link.lock.release()
+        return None
     try:
         n = link.held.get(token, 0)
         if not n or link.file is None:
@@ -713,7 +724,7 @@ def release(address: str, token: bytes, *, timeout: float = 1.0, gone: bool = Fa
         return True
     finally:
         link.lock.release()
-        if link.holds == 0:
+        if link.holds == 0 and wait:
             _close_idle(MAX_IDLE)
 
 
