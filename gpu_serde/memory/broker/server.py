@@ -76,14 +76,6 @@ BATCH_BYTES = REQUEST_BYTES * 1985  # read at once from a connection: whole requ
 #: Seconds before the broker tries again to let go of an object whose lock a process still held
 #: when its grace ran out (its acquire's note was on its way).
 RETRY_S = 0.05
-#: Seconds a connection's thread lets notes gather after a batch of notes only, before it reads
-#: again: while hand-offs stream, a note finds no thread waiting for it (sending it wakes no one,
-#: which is most of a send's cost) and one wake-up reads many. Notes are counted that much later;
-#: a connection that falls silent is read as soon as its next request comes, as before.
-NOTE_BATCH_S = 0.001
-
-
-_NOTES = (ACQUIRE[0], RELEASE[0])  # the requests that get no answer, as bytes of a batch
 
 
 @dataclass
@@ -654,8 +646,6 @@ class Broker:
         for at in range(0, len(data), REQUEST_BYTES):
             if not self._dispatch(conn, key, data[at : at + REQUEST_BYTES]):
                 return False
-        if all(data[at] in _NOTES for at in range(0, len(data), REQUEST_BYTES)):
-            time.sleep(NOTE_BATCH_S)  # more notes gather meanwhile (no request waits for this)
         return True
 
     def _close_idle(self, conn: socket.socket, key: int) -> None:
