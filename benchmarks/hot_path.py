@@ -101,6 +101,29 @@ class Sender:
     def payload(self) -> bytes:
         return pickle.dumps(self._new())
 
+    def watch(self, on: bool) -> list[float]:
+        """Time the Buffer reducer in place, as Ray calls it in each round trip (on), or stop
+        and return those times (off)."""
+        import copyreg
+
+        from cuda.core import Buffer
+
+        if on:
+            self.reducer, self.watched = copyreg.dispatch_table[Buffer], []
+            reducer, watched = self.reducer, self.watched
+
+            def timed(buf: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return reducer(buf)
+                finally:
+                    watched.append(time.perf_counter() - start)
+
+            copyreg.dispatch_table[Buffer] = timed
+            return []
+        copyreg.dispatch_table[Buffer] = self.reducer
+        return self.watched
+
 
 class Receiver:
     """A Ray actor that receives, closes or keeps."""
@@ -122,6 +145,28 @@ class Receiver:
         else:
             obj.close()
         return 2
+
+    def watch(self, on: bool) -> list[float]:
+        """Time the arena buffer's rebuild in place, as Ray calls it before each ``consume``
+        (on), or stop and return those times (off)."""
+        from gpu_serde import wire
+        from gpu_serde.placeholders import rebuild
+
+        if on:
+            self.rebuild, self.watched = wire.abuf, []
+            original, watched = self.rebuild, self.watched
+
+            def timed(*payload: Any) -> Any:  # what wire.abuf does, timed
+                start = time.perf_counter()
+                try:
+                    return rebuild(original, payload)
+                finally:
+                    watched.append(time.perf_counter() - start)
+
+            wire.abuf = timed  # type: ignore[assignment]  # pickles name it: found at load
+            return []
+        wire.abuf = self.rebuild  # type: ignore[assignment]
+        return self.watched
 
     def drop_kept(self) -> None:
         for buf in self.kept:
@@ -197,6 +242,16 @@ def main() -> None:
             loads_s.append(got[0])
             close_s.append(got[1])
         loads, close = statistics.median(loads_s), statistics.median(close_s)
+        # in place: the same steps timed inside the actors, round trip by round trip
+        fill_n = min(args.per_round * 5, 200)
+        ray.get(receiver.drop_kept.remote())
+        ray.get(sender.fill.remote(fill_n))
+        ray.get([sender.watch.remote(True), receiver.watch.remote(True)])
+        for _ in range(fill_n):
+            cases["arena, kept"]()
+        reduce_in, rebuild_in = ray.get([sender.watch.remote(False), receiver.watch.remote(False)])
+        ray.get(receiver.drop_kept.remote())
+        dumps_in, loads_in = statistics.median(reduce_in), statistics.median(rebuild_in)
     finally:
         ray.shutdown()
 
@@ -230,6 +285,11 @@ def main() -> None:
         f"{loads * 1e6:.0f} us, close {close * 1e6:.0f} us: {own * 1e3:.3f} ms"
     )
     print(f"- left (the arena over plain, minus those): {left * 1e3:.3f} ms")
+    print(
+        f"- the same inside the actors, in place (round trip by round trip, kept): the sender's "
+        f"Buffer reducer {dumps_in * 1e6:.0f} us, the receiver's rebuild {loads_in * 1e6:.0f} us "
+        f"(against {dumps * 1e6:.0f} and {loads * 1e6:.0f} us in a tight loop)"
+    )
     rows = [
         _common.result(
             "hot_path",
@@ -243,7 +303,14 @@ def main() -> None:
         )
         for k, (m, lo, hi) in over.items()
     ]
-    for series, value in (("dumps", dumps), ("loads", loads), ("close", close), ("left", left)):
+    for series, value in (
+        ("dumps", dumps),
+        ("loads", loads),
+        ("close", close),
+        ("left", left),
+        ("reduce in place", dumps_in),
+        ("rebuild in place", loads_in),
+    ):
         rows.append(
             _common.result("hot_path", "ray", series, value, path="in the actors", stat="median")
         )

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -507,6 +508,39 @@ def test_a_process_keeps_at_most_max_idle_connections():
             b.close()
 
 
+def test_releases_made_at_close_keep_at_most_max_idle_connections_too():
+    disconnect()
+    holding = broker_client.open_connections()  # other tests' connections that hold something
+    brokers = [Broker() for _ in range(broker_client.MAX_IDLE + 3)]
+    try:
+        for b in brokers:
+            token = b.hold("a block", lambda _obj: None, grace=0)
+            acquire(b.address, token)
+            assert release(b.address, token, wait=False)  # as a buffer closed on an idle stream
+        assert broker_client.open_connections() == holding + broker_client.MAX_IDLE
+    finally:
+        disconnect()
+        for b in brokers:
+            b.close()
+
+
+def test_a_release_at_close_on_a_stale_connection_tells_the_broker_by_hanging_up(monkeypatch):
+    disconnect()
+    holding = broker_client.open_connections()  # other tests' connections that hold something
+    monkeypatch.setattr(broker_client, "REUSE_S", 0.0)  # the connection is stale at once
+    b = Broker()
+    let_go = []
+    try:
+        token = b.hold("a block", let_go.append, grace=0)
+        acquire(b.address, token)
+        assert release(b.address, token, wait=False)  # no new connection made for it
+        assert broker_client.open_connections() == holding
+        assert wait_for(lambda: let_go == ["a block"], timeout=3.0)
+        assert b.holders() == {}
+    finally:
+        b.close()
+
+
 def test_threads_share_a_broker_and_every_request_is_counted_once():
     from concurrent.futures import ThreadPoolExecutor
 
@@ -597,6 +631,44 @@ def test_an_object_due_sooner_than_the_release_threads_next_look_is_let_go_on_ti
         assert release(b.address, fast)  # due in 0.1 s: the release thread is woken for it
         assert wait_for(lambda: let_go == ["fast"], timeout=3.0)
         assert b.peek(slow) == "slow" and b.held() == 1
+    finally:
+        b.close()
+
+
+def test_a_killed_holder_gives_back_an_object_due_sooner_than_the_release_threads_next_look():
+    b = Broker()
+    let_go = []
+    try:
+        slow = b.hold("slow", let_go.append, grace=30)
+        acquire(b.address, slow)
+        assert release(b.address, slow)  # the release thread plans its next look in 30 s
+        fast = b.hold("fast", let_go.append, block=BLOCK, grace=0.1)
+        proc = holder(b.address, fast)
+        assert wait_for(lambda: b.holders() == {proc.pid: 1})
+        proc.kill()  # its connection closes: due in 0.1 s, and the release thread is woken
+        proc.wait(10)
+        assert wait_for(lambda: let_go == ["fast"], timeout=3.0)
+        assert b.peek(slow) == "slow"
+    finally:
+        b.close()
+
+
+def test_a_release_that_must_not_wait_does_nothing_while_another_thread_uses_the_connection():
+    b = Broker()
+    let_go = []
+    try:
+        token = b.hold("a block", let_go.append, grace=0)
+        acquire(b.address, token)
+        got: list[object] = []
+        link = broker_client._links[b.address]
+        with link.lock:  # another thread's request is on the connection
+            t = threading.Thread(target=lambda: got.append(release(b.address, token, wait=False)))
+            t.start()
+            t.join(5.0)
+        assert got == [None]  # nothing done: its caller leaves it to the release thread
+        assert broker_client.holds(b.address) == 1 and let_go == []
+        assert release(b.address, token)  # that thread's release, later
+        assert wait_for(lambda: let_go == ["a block"], timeout=3.0)
     finally:
         b.close()
 

@@ -160,10 +160,13 @@ def _link(address: str) -> _Link:
         return link
 
 
-def _close_idle(keep: int) -> None:
+def _close_idle(keep: int, *, wait: bool = True) -> None:
     """Close the least recently used connections that hold nothing, beyond ``keep`` of them, and
-    forget the brokers that have neither a connection nor a hold here."""
-    with _links_lock:
+    forget the brokers that have neither a connection nor a hold here (``wait=False``: nothing,
+    when another thread has the table of connections)."""
+    if not _links_lock.acquire(blocking=wait):
+        return
+    try:
         idle = sorted(
             (link.used, address)
             for address, link in _links.items()
@@ -179,6 +182,8 @@ def _close_idle(keep: int) -> None:
                         del _links[address]
                 finally:
                     gone.lock.release()
+    finally:
+        _links_lock.release()
     for address in surplus:
         link = _links.get(address)
         if link is None or not link.lock.acquire(blocking=False):
@@ -535,16 +540,29 @@ def _wake_flusher() -> None:
     _flush_wanted.set()
 
 
-def _note(link: _Link, address: str, op: bytes, token: bytes, check: bytes, timeout: float) -> bool:
+def _note(
+    link: _Link,
+    address: str,
+    op: bytes,
+    token: bytes,
+    check: bytes,
+    timeout: float,
+    *,
+    connect: bool = True,
+) -> bool:
     """Send a note (an acquire or a release: no answer) over ``link`` (its lock held); False when
     it could not be sent. A connection that broke is replaced once, and the new one carries this
     process's holds as they stand (an acquire's note is sent before the hold is recorded, a
     release's after: the new connection's notes then say it already). Losing a note loses no
     hold: the locks are what the exporter obeys, and an acquire's note lost only keeps the block
-    longer."""
+    longer. A release with no connection to send it on needs none: the broker dropped the closed
+    connection's counts, this one's too; a new one is made only to note again the holds left
+    (never with ``connect=False``: the next request's connection notes them)."""
     _retire_if_idle(link)
     for _ in range(2):
         fresh = link.sock is None
+        if fresh and op == RELEASE and (not connect or not link.holds):
+            return True
         try:
             if fresh:
                 _open(link, address, time.monotonic() + timeout)
@@ -694,8 +712,9 @@ def release(
     release only its own holds). Never raises for a vanished exporter (nothing is left to
     release), unless ``gone`` asks for its :class:`~gpu_serde.ExporterGoneError` when the note
     could be neither sent nor queued. ``wait=False`` (a caller that may run inside this
-    module's own locked sections: a collection) takes no lock it would wait for and makes no
-    new connection: None, and nothing done, when either would be needed."""
+    module's own locked sections: a collection) takes no lock it would wait for, makes no new
+    connection and wakes no thread: None, and nothing done, when the connection is in use, gone,
+    or has notes waiting for the flusher."""
     if wait:
         with _links_lock:
             link = _links.get(address)
@@ -705,7 +724,7 @@ def release(
         return False
     if not link.lock.acquire(blocking=wait):
         return None
-    if not wait and link.sock is None:
+    if not wait and (link.sock is None or link.pending):
         link.lock.release()
         return None
     try:
@@ -719,13 +738,14 @@ def release(
         else:
             link.held[token] = n - 1
         link.holds -= 1
-        if not _note(link, address, RELEASE, token, NO_CHECK, timeout) and gone:
+        told = _note(link, address, RELEASE, token, NO_CHECK, timeout, connect=wait)
+        if not told and gone:
             raise ExporterGoneError(f"the descriptor broker {address} could not be told")
         return True
     finally:
         link.lock.release()
-        if link.holds == 0 and wait:
-            _close_idle(MAX_IDLE)
+        if link.holds == 0:
+            _close_idle(MAX_IDLE, wait=wait)
 
 
 def fetch(address: str, token: bytes, identity: bytes = NO_CHECK, *, timeout: float = 1.0) -> int:
