@@ -159,7 +159,8 @@ SIZES_BYTES = {"1 MiB": 1 << 20, "64 MiB": 64 << 20, "1 GiB": 1 << 30, "4 GiB": 
 
 def parser(doc: str | None) -> argparse.ArgumentParser:
     """An argument parser with the ``--json PATH`` option every benchmark takes."""
-    p = argparse.ArgumentParser(description=(doc or "").strip().splitlines()[0])
+    first = (doc or "").strip().split("\n\n")[0]  # the first paragraph: a whole sentence
+    p = argparse.ArgumentParser(description=" ".join(first.split()))
     p.add_argument(
         "--json",
         metavar="PATH",

@@ -265,6 +265,12 @@ def main() -> None:
     print(f"int round trip: {med['int'] * 1e3:.3f} ms; medians over {args.rounds} rounds\n")
     if "simulated" in gpus:
         print(f"{_common.SIMULATED_VERDICTS}\n")
+    print(
+        "Rows: plain, a pickled object the size of an arena buffer's payload (Ray's own cost for "
+        "any pickled object); bytes, bytes of that size (Ray carries them raw, unpickled); arena, "
+        "a new 1 MiB ArenaMemoryResource buffer the receiver closes; arena, kept, the same kept "
+        "by the receiver (no release traffic).\n"
+    )
     print("| case | adds to the int's round trip (95% interval) |")
     print("|---|---|")
     for k, (m, lo, hi) in over.items():

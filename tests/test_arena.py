@@ -186,6 +186,23 @@ def test_allocate_checks_its_stream_before_it_looks_for_room(gpu, tier):
     kept.close()
 
 
+def test_a_full_arena_says_when_its_blocks_wait_for_payloads_no_process_has_received(gpu, tier):
+    arena = ArenaMemoryResource(gpu, 4 << 20)
+    for _ in range(4):
+        buf = arena.allocate(1 << 20)
+        pickle.dumps(buf)  # sent, and never received (a Ray reference dropped unread)
+        buf.close()
+    with pytest.raises(ArenaFullError) as info:
+        arena.allocate(1 << 20)
+    assert info.value.held == 4 << 20
+    message = str(info.value)
+    assert (
+        "4.0 MiB (4,194,304 bytes) of it are buffers sent that no process has received" in message
+    )
+    assert "Receive what you send" in message
+    assert "GPU_SERDE_RELEASE_GRACE_S" not in message  # no grace brings these back
+
+
 def test_a_block_an_importer_holds_is_reused_only_after_it_closed_it(gpu, tier, monkeypatch):
     arena = ArenaMemoryResource(gpu, tier.size)
     buf = arena.allocate(arena.size)

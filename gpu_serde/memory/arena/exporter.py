@@ -101,6 +101,7 @@ class _Region:
         self.tokens: list[bytes] = []  # the broker's token for the descriptor
         self.streams: dict[int, Stream] = {}  # block address -> the stream it was allocated on
         self.held: dict[int, int] = {}  # block address -> holds for importers
+        self.hold_tokens: dict[int, set[bytes]] = {}  # block address -> its holds' tokens
         self.deferred: dict[int, Any] = {}  # address -> free's event: closed while held
         self.pending: list[tuple[int, Any]] = []  # (address, event): freed, its stream busy
         self.frees: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()  # from deallocate
@@ -159,9 +160,19 @@ class _Region:
         with self.lock:
             self.held[ptr] = self.held.get(ptr, 0) + 1
 
-    def released(self, ptr: int) -> None:
+    def held_under(self, ptr: int, token: bytes) -> None:
+        """Block ``ptr``'s new hold is the broker's ``token``."""
+        with self.lock:
+            self.hold_tokens.setdefault(ptr, set()).add(token)
+
+    def released(self, ptr: int, token: bytes | None = None) -> None:
         """The broker let go of a hold on block ``ptr`` (its importers released it)."""
         with self.lock:
+            tokens = self.hold_tokens.get(ptr)
+            if tokens is not None and token is not None:
+                tokens.discard(token)
+                if not tokens:
+                    del self.hold_tokens[ptr]
             left = self.held.get(ptr, 0) - 1
             if left > 0:
                 self.held[ptr] = left
@@ -238,7 +249,18 @@ class _Region:
             self._reclaim(wait=False)
             taken = self.ranges.taken()
             held = sum(taken.get(ptr - self.base, 0) for ptr in {*self.held, *self.deferred})
-            return {"free": self.ranges.free, "largest": self.ranges.largest_free, "held": held}
+            sizes = {ptr: taken.get(ptr - self.base, 0) for ptr in self.held}
+            tokens = {ptr: list(t) for ptr, t in self.hold_tokens.items()}
+            stats = {"free": self.ranges.free, "largest": self.ranges.largest_free, "held": held}
+        # outside the lock: the broker's own (its release thread takes this one after it)
+        unclaimed = 0
+        if tokens:
+            b = _broker.broker()
+            unclaimed = sum(
+                sizes.get(ptr, 0) for ptr, ts in tokens.items() if any(map(b.unclaimed, ts))
+            )
+        stats["unclaimed"] = unclaimed
+        return stats
 
     def close(self) -> None:
         """Free the region here (when its resource is collected). Never raises."""
@@ -392,18 +414,30 @@ class ArenaMemoryResource(lifetime.DeviceMemory, MemoryResource):
         else:
             gran = _driver.granularity(r.ordinal)
             suggested = align_up(max(2 * r.size, r.size + align_up(asked)), gran)
-            held = (
-                f"; {human(stats['held'])} of it are buffers sent and still held for importers "
-                "(given back once every importer released them and "
-                f"{lifetime.RELEASE_GRACE_S:g} s more have passed, the grace for a payload read "
-                "again: GPU_SERDE_RELEASE_GRACE_S)"
-                if stats["held"]
-                else ""
-            )
+            unclaimed, released = stats["unclaimed"], stats["held"] - stats["unclaimed"]
+            held = ""
+            if released > 0:
+                held += (
+                    f"; {human(released)} of it are buffers sent and still held for importers "
+                    "(given back once every importer released them and "
+                    f"{lifetime.RELEASE_GRACE_S:g} s more have passed, the grace for a payload "
+                    "read again: GPU_SERDE_RELEASE_GRACE_S)"
+                )
+            if unclaimed:
+                held += (
+                    f"; {human(unclaimed)} of it are buffers sent that no process has received "
+                    "yet: each is kept for the payload on its way until a process unpickles it, "
+                    "or until this process exits (a pickle made and never read, such as a Ray "
+                    "object reference dropped unread or dask's tokenize, keeps its block)"
+                )
             fix = (
-                "Sent buffers come back only that long after their last release: size the arena "
-                "for what you send in that time, send one buffer again instead of new ones, or "
-                "set GPU_SERDE_RELEASE_GRACE_S lower before gpu_serde is imported; a larger one: "
+                "Receive what you send, or send one buffer again instead of new ones; a larger "
+                "one: "
+                if unclaimed and not released
+                else "Sent buffers come back only after their last release and the grace: size "
+                "the arena for what you send in that time, send one buffer again instead of new "
+                "ones, or set GPU_SERDE_RELEASE_GRACE_S lower before gpu_serde is imported; a "
+                "larger one: "
                 if stats["held"]
                 else "Close buffers you no longer need (receivers too: close what you received), "
                 "or create a larger one: "
@@ -501,11 +535,19 @@ def reduce_buffer(buf: Buffer, mr: ArenaMemoryResource) -> tuple[Any, ...]:
     def make() -> tuple[bytes, tuple[Any, ...]]:
         p = AbufPayload(VERSION, RegionPayload(*region), ptr - r.base, buf.size, b"")
         r.hold(ptr)
+        issued: list[bytes] = []
         try:
-            token = lifetime.hold(buf, p.block, lambda _obj: r.released(ptr), needs=r.tokens[0])
+            token = lifetime.hold(
+                buf,
+                p.block,
+                lambda _obj: r.released(ptr, issued[0] if issued else None),
+                needs=r.tokens[0],
+            )
         except Exception:
             r.released(ptr)
             raise
+        issued.append(token)
+        r.held_under(ptr, token)
         return token, p._replace(hold=token).wire()
 
     # a block closed while held is freed only once its importers let go: it can be sent again

@@ -277,6 +277,13 @@ class Broker:
             obj: object = entry.obj
             return obj
 
+    def unclaimed(self, token: bytes) -> bool:
+        """True while the object under ``token`` was sent (or sent again) and no process has
+        taken its hold since: it is kept until one does, or until this process exits."""
+        with self._lock:
+            entry = self._holds.get(token)
+            return entry is not None and entry.unclaimed
+
     def held(self) -> int:
         """How many objects the broker keeps alive for importers."""
         with self._lock:
