@@ -1,17 +1,14 @@
 """The descriptor broker's client side: ask another process's broker for a descriptor, and hold
 the blocks it exports.
 
-A process keeps **two connections per exporting broker**, used one at a time: one for the notes
-of its holds, one for the requests that are answered (a descriptor, the holds file). The broker
-reads a connection of notes in batches (it lets them gather for a millisecond after each), so a
-note wakes no thread there while hand-offs stream, and no request waits behind notes. The broker
-checks nothing of what the connection says about holds: a hold
+A process keeps **one connection per exporting broker** and sends every request to that broker
+over it, one at a time. The broker checks nothing of what the connection says about holds: a hold
 is a **lock** in the broker's holds file (:mod:`gpu_serde.memory.broker.holdsfile`), which this
 process fetches once per broker (its own open file description of it), so taking a hold
 (:func:`acquire`) and giving it back (:func:`release`) need no answer from the exporter: a lock,
-a look at the table, and a note sent ahead on the connection of notes (the exporter counts notes
-to know which process holds what, for :meth:`~gpu_serde.memory.broker.Broker.holders`; the locks
-are what it obeys). The kernel releases the locks when this process dies, however it dies.
+a look at the table, and a note sent ahead on the connection (the exporter counts notes to know
+which process holds what, for :meth:`~gpu_serde.memory.broker.Broker.holders`; the locks are what
+it obeys). The kernel releases the locks when this process dies, however it dies.
 
 The holds file stays open while this process holds anything there; the connection may break
 without losing a hold. This process closes a connection (and the holds file with it) only when
@@ -101,29 +98,15 @@ def recv_by(sock: socket.socket, data: bytes, n: int, deadline: float) -> bytes:
 
 
 class _Link:
-    """This process's connections to one broker: the socket its notes go on and the one its
-    requests go on (each None until needed), the lock that makes their use one at a time, its
-    view of the broker's holds file (None until the first hold), and the holds it carries
-    (token -> how many)."""
+    """This process's connection to one broker: the socket (None until needed), the lock that
+    makes its requests one at a time, its view of the broker's holds file (None until the first
+    hold), and the holds it carries (token -> how many)."""
 
-    __slots__ = (
-        "file",
-        "held",
-        "holds",
-        "lock",
-        "locked",
-        "pending",
-        "rsock",
-        "rused",
-        "sock",
-        "used",
-    )
+    __slots__ = ("file", "held", "holds", "lock", "locked", "pending", "sock", "used")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.sock: socket.socket | None = None  # notes only: the holds are counted over it
-        self.rsock: socket.socket | None = None  # requests that are answered
-        self.rused = 0.0
+        self.sock: socket.socket | None = None
         self.file: HoldsFile | None = None
         self.held: dict[bytes, int] = {}
         # sequence number -> the token its lock was taken for, and the sends it read then
@@ -133,22 +116,16 @@ class _Link:
         self.used = 0.0
 
     def drop(self) -> None:
-        """Close the connections and the holds file: every hold this process had at the broker
-        is given back (the kernel releases the file's locks, the broker drops the connection's
+        """Close the connection and the holds file: every hold this process had at the broker is
+        given back (the kernel releases the file's locks, the broker drops the connection's
         count)."""
-        for sock in (self.sock, self.rsock):
-            if sock is not None:
-                with contextlib.suppress(OSError):
-                    sock.close()
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.close()
         if self.file is not None:
             self.file.close()
         self.sock, self.file, self.held, self.locked, self.holds = None, None, {}, {}, 0
-        self.rsock = None
         self.pending.clear()
-
-    def connected(self) -> bool:
-        """True while either connection is open."""
-        return self.sock is not None or self.rsock is not None
 
 
 _links: dict[str, _Link] = {}
@@ -165,10 +142,9 @@ def _forget_after_fork() -> None:
     links = list(_links.values())
     _links.clear()
     for link in links:  # this process's copies only: no shutdown
-        for sock in (link.sock, link.rsock):
-            if sock is not None:
-                with contextlib.suppress(OSError):
-                    sock.close()
+        if link.sock is not None:
+            with contextlib.suppress(OSError):
+                link.sock.close()
         if link.file is not None:
             link.file.close()
 
@@ -192,16 +168,16 @@ def _close_idle(keep: int, *, wait: bool = True) -> None:
         return
     try:
         idle = sorted(
-            (max(link.used, link.rused), address)
+            (link.used, address)
             for address, link in _links.items()
-            if link.holds == 0 and link.connected()
+            if link.holds == 0 and link.sock is not None
         )
         surplus = [address for _, address in idle[: max(0, len(idle) - keep)]]
-        for address in [a for a, link in _links.items() if not link.connected() and not link.holds]:
+        for address in [a for a, link in _links.items() if link.sock is None and not link.holds]:
             gone = _links[address]
             if gone.lock.acquire(blocking=False):  # in use right now: kept
                 try:
-                    if not gone.connected() and not gone.holds:
+                    if gone.sock is None and not gone.holds:
                         gone.drop()
                         del _links[address]
                 finally:
@@ -213,7 +189,7 @@ def _close_idle(keep: int, *, wait: bool = True) -> None:
         if link is None or not link.lock.acquire(blocking=False):
             continue  # in use right now: not idle
         try:
-            if link.holds == 0 and link.connected():
+            if link.holds == 0 and link.sock is not None:
                 link.drop()
         finally:
             link.lock.release()
@@ -225,9 +201,9 @@ def disconnect() -> None:
 
 
 def open_connections() -> int:
-    """How many brokers this process has connections to (holding or idle)."""
+    """How many broker connections this process has open (holding or idle)."""
     with _links_lock:
-        return sum(link.connected() for link in _links.values())
+        return sum(link.sock is not None for link in _links.values())
 
 
 def _connect(address: str, deadline: float) -> socket.socket:
@@ -320,27 +296,23 @@ def _open(link: _Link, address: str, deadline: float) -> None:
 def _exchange(
     link: _Link, address: str, request: bytes, deadline: float
 ) -> tuple[bytes, list[int]]:
-    """Send ``request`` over ``link``'s connection for requests (holding its lock) and read the
-    answer; try once more on a new connection when one closes unanswered (the broker closed it
-    while idle, or its process exited and a keeper serves the address now: a fetch and the holds
-    file's request can be asked again). Notes go on a connection of their own, which the broker
-    reads in batches: a request never waits behind them.
+    """Send ``request`` over ``link`` (holding its lock) and read the answer; try once more on a
+    new connection when one closes unanswered (the broker closed it while idle, or its process
+    exited and a keeper serves the address now: a fetch and the holds file's request can be
+    asked again).
 
     Raises:
         TimeoutError: no answer by ``deadline``.
         OSError, ExporterGoneError: the connection broke, or none could be made.
     """
-    if link.sock is None and link.holds:  # the connection of notes broke: note the holds again
-        with contextlib.suppress(OSError, ExporterGoneError):  # (the next note tries again)
-            _open(link, address, deadline)
     for attempt in (1, 2):
-        if link.rsock is not None and time.monotonic() - link.rused > REUSE_S:
-            _hang_up_requests(link)  # the broker may be closing it for idleness
-        if link.rsock is None:
-            link.rsock = _connect(address, deadline)
-            link.rused = time.monotonic()
-        sock = link.rsock
+        _retire_if_idle(link)
+        if link.sock is None:
+            _open(link, address, deadline)
+        sock = link.sock
+        assert sock is not None
         try:
+            _flush(link, max(0.01, deadline - time.monotonic()))  # the notes first, in order
             sock.settimeout(max(0.01, deadline - time.monotonic()))
             sock.sendall(request, NOSIGNAL)
             sock.settimeout(max(0.01, deadline - time.monotonic()))
@@ -351,7 +323,7 @@ def _exchange(
             msg, fds = b"", []
         if msg or fds or attempt == 2:
             return msg, fds
-        _hang_up_requests(link)  # closed unanswered: no request was read
+        _hang_up(link)  # closed unanswered: no request was read
     raise AssertionError("unreachable")
 
 
@@ -366,14 +338,6 @@ def _retire_if_idle(link: _Link) -> None:
     would be counted and then forgotten with the connection."""
     if link.sock is not None and not link.holds and time.monotonic() - link.used > REUSE_S:
         _hang_up(link)
-
-
-def _hang_up_requests(link: _Link) -> None:
-    """Close ``link``'s connection for requests (nothing is held over it)."""
-    if link.rsock is not None:
-        with contextlib.suppress(OSError):
-            link.rsock.close()
-        link.rsock = None
 
 
 def _hang_up(link: _Link) -> None:
@@ -415,27 +379,27 @@ def _request(
     try:
         msg, fds = _exchange(link, address, op + token + check, deadline)
     except TimeoutError:
-        _hang_up_requests(link)  # an answer may still come: the framing is lost, start afresh
+        _hang_up(link)  # an answer may still come: the framing is lost, start afresh
         raise ExporterGoneError(
             f"the descriptor broker {address} did not answer within {timeout} s"
         ) from None
     except ExporterGoneError:
-        _hang_up_requests(link)
+        _hang_up(link)
         raise
     except OSError as exc:  # reset or broken pipe: the exporter went away mid-request
-        _hang_up_requests(link)
+        _hang_up(link)
         raise ExporterGoneError(
             f"the descriptor broker {address} hung up ({exc.strerror or exc})"
         ) from None
     if not msg:
         for fd in fds:
             os.close(fd)
-        _hang_up_requests(link)
+        _hang_up(link)
         raise ExporterGoneError(
             f"the descriptor broker {address} hung up without answering: it is closing, or "
             "this process runs as another user"
         )
-    link.rused = time.monotonic()
+    link.used = time.monotonic()
     return msg, fds
 
 
@@ -463,6 +427,20 @@ def _send_ahead(link: _Link, data: bytes) -> None:
     if sent < len(data):
         link.pending += data[sent:]
         _wake_flusher()
+
+
+def _flush(link: _Link, timeout: float) -> None:
+    """Send what waits in ``link.pending`` (its lock held), waiting up to ``timeout`` s.
+
+    Raises:
+        OSError: the connection broke or stayed full (the caller hangs up).
+    """
+    if link.pending and link.sock is not None:
+        link.sock.settimeout(timeout)
+        try:
+            link.sock.sendall(bytes(link.pending), NOSIGNAL)
+        finally:
+            link.pending.clear()  # sent, or the caller hangs up
 
 
 _flush_wanted = threading.Event()
@@ -610,7 +588,7 @@ def _holds_file(link: _Link, address: str, deadline: float, timeout: float) -> H
     if msg != OK or len(fds) != 1:
         for fd in fds:
             os.close(fd)
-        _hang_up_requests(link)
+        _hang_up(link)
         raise ExporterGoneError(
             f"the descriptor broker {address} did not hand over its holds file: not a broker "
             "of this version of gpu_serde"
@@ -619,7 +597,7 @@ def _holds_file(link: _Link, address: str, deadline: float, timeout: float) -> H
         link.file = HoldsFile(fds[0])
     except BaseException:
         os.close(fds[0])
-        _hang_up_requests(link)
+        _hang_up(link)
         raise
     return link.file
 

@@ -76,15 +76,6 @@ BATCH_BYTES = REQUEST_BYTES * 1985  # read at once from a connection: whole requ
 #: Seconds before the broker tries again to let go of an object whose lock a process still held
 #: when its grace ran out (its acquire's note was on its way).
 RETRY_S = 0.05
-#: Seconds a connection's thread lets notes gather after a batch of notes only, before it reads
-#: again: while hand-offs stream, a note finds no thread waiting for it (sending it wakes no one,
-#: which is most of a send's cost) and one wake-up reads many. Notes are counted that much later.
-#: Importers send notes on a connection of their own and requests that are answered on another,
-#: so that no request waits behind this.
-NOTE_BATCH_S = 0.005
-
-
-_NOTES = (ACQUIRE[0], RELEASE[0])  # the requests that get no answer, as bytes of a batch
 
 
 @dataclass
@@ -581,8 +572,8 @@ class Broker:
                 else:
                     conn.shutdown(socket.SHUT_RDWR)  # its thread sees the end and closes it
         if not inherited:
-            for _, thread in conns:  # (one not started yet finds its connection shut down)
-                if thread is not threading.current_thread() and thread.ident is not None:
+            for _, thread in conns:
+                if thread is not threading.current_thread():
                     thread.join(1.0)
 
     # ---- serving ----
@@ -662,8 +653,6 @@ class Broker:
         for at in range(0, len(data), REQUEST_BYTES):
             if not self._dispatch(conn, key, data[at : at + REQUEST_BYTES]):
                 return False
-        if all(data[at] in _NOTES for at in range(0, len(data), REQUEST_BYTES)):
-            time.sleep(NOTE_BATCH_S)  # more notes gather meanwhile (requests come on another)
         return True
 
     def _close_idle(self, conn: socket.socket, key: int) -> None:
