@@ -249,18 +249,20 @@ class _Region:
             self._reclaim(wait=False)
             taken = self.ranges.taken()
             held = sum(taken.get(ptr - self.base, 0) for ptr in {*self.held, *self.deferred})
-            sizes = {ptr: taken.get(ptr - self.base, 0) for ptr in self.held}
+            return {"free": self.ranges.free, "largest": self.ranges.largest_free, "held": held}
+
+    def unclaimed(self) -> int:
+        """Bytes of blocks held for a payload that no process has received yet (sent, or sent
+        again, and no hold taken since): kept until one is, or until this process exits."""
+        with self.lock:
+            taken = self.ranges.taken()
             tokens = {ptr: list(t) for ptr, t in self.hold_tokens.items()}
-            stats = {"free": self.ranges.free, "largest": self.ranges.largest_free, "held": held}
-        # outside the lock: the broker's own (its release thread takes this one after it)
-        unclaimed = 0
-        if tokens:
-            b = _broker.broker()
-            unclaimed = sum(
-                sizes.get(ptr, 0) for ptr, ts in tokens.items() if any(map(b.unclaimed, ts))
-            )
-        stats["unclaimed"] = unclaimed
-        return stats
+        b = _broker.started()  # outside the lock: the broker's (its release thread takes this one)
+        if b is None or not tokens:
+            return 0
+        return sum(
+            taken.get(ptr - self.base, 0) for ptr, ts in tokens.items() if any(map(b.unclaimed, ts))
+        )
 
     def close(self) -> None:
         """Free the region here (when its resource is collected). Never raises."""
@@ -414,7 +416,8 @@ class ArenaMemoryResource(lifetime.DeviceMemory, MemoryResource):
         else:
             gran = _driver.granularity(r.ordinal)
             suggested = align_up(max(2 * r.size, r.size + align_up(asked)), gran)
-            unclaimed, released = stats["unclaimed"], stats["held"] - stats["unclaimed"]
+            unclaimed = r.unclaimed() if stats["held"] else 0
+            released = stats["held"] - unclaimed
             held = ""
             if released > 0:
                 held += (
@@ -425,10 +428,11 @@ class ArenaMemoryResource(lifetime.DeviceMemory, MemoryResource):
                 )
             if unclaimed:
                 held += (
-                    f"; {human(unclaimed)} of it are buffers sent that no process has received "
-                    "yet: each is kept for the payload on its way until a process unpickles it, "
-                    "or until this process exits (a pickle made and never read, such as a Ray "
-                    "object reference dropped unread or dask's tokenize, keeps its block)"
+                    f"; {human(unclaimed)} of it are buffers sent (or sent again) whose latest "
+                    "payload no process has received yet: each is kept for that payload until a "
+                    "process unpickles it, or until this process exits (a pickle made and never "
+                    "read, such as a Ray object reference dropped unread or dask's tokenize, "
+                    "keeps its block)"
                 )
             fix = (
                 "Receive what you send, or send one buffer again instead of new ones; a larger "

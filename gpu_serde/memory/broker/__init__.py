@@ -13,7 +13,7 @@ from gpu_serde.memory.broker.client import (
     open_connections,
     release,
 )
-from gpu_serde.memory.broker.server import ANY, Broker, broker, is_own
+from gpu_serde.memory.broker.server import ANY, Broker, broker, is_own, started
 
 __all__ = [
     "ANY",
@@ -28,4 +28,5 @@ __all__ = [
     "keeper",
     "open_connections",
     "release",
+    "started",
 ]

@@ -572,8 +572,8 @@ class Broker:
                 else:
                     conn.shutdown(socket.SHUT_RDWR)  # its thread sees the end and closes it
         if not inherited:
-            for _, thread in conns:
-                if thread is not threading.current_thread():
+            for _, thread in conns:  # (one not started yet finds its connection shut down)
+                if thread is not threading.current_thread() and thread.ident is not None:
                     thread.join(1.0)
 
     # ---- serving ----
@@ -759,6 +759,11 @@ def broker() -> Broker:
                 _broker = Broker()
                 for hook in on_start:
                     hook()
+    return _broker
+
+
+def started() -> Broker | None:
+    """This process's broker if it has started, else None (nothing is started)."""
     return _broker
 
 
