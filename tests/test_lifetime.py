@@ -176,7 +176,7 @@ def test_a_killed_child_gives_its_holds_back(exporter, tier, monkeypatch):
     buf = exporter.allocate(tier.size)
     with child(monkeypatch, tier.uuid) as c:
         assert c.run(keep, buf)["ok"]
-        assert holders() == {c.pid: 1}
+        assert wait_until(lambda: holders() == {c.pid: 1})  # its note is read in the background
         del buf  # the exporter drops its own: the child's hold keeps the memory
         assert exporter.in_use() > 0
         c.process.kill()  # SIGKILL: the child never says a word
@@ -449,7 +449,7 @@ def test_a_killed_ray_actor_gives_its_holds_back(exporter, tier, ray_session):
     holder = Holder.remote()
     buf = exporter.allocate(tier.size)
     got = ray_get(holder.keep.remote(buf))
-    assert got["ok"] and holders() == {got["pid"]: 1}
+    assert got["ok"] and wait_until(lambda: holders() == {got["pid"]: 1})
     del buf
     os.kill(got["pid"], signal.SIGKILL)
     assert wait_until(exporter.all_back, timeout=GRACE + BOUND)
