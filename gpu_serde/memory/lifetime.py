@@ -306,9 +306,9 @@ class Import:
     def release(self, event: object) -> None:
         """Tell the exporter from the release thread once ``event`` (an ``Event`` recorded after
         the free, or :data:`WHOLE_DEVICE`) has completed; :data:`AT_ONCE` tells it here and now,
-        unless another thread is using this process's connection to the exporter (then the
-        release thread does). Never raises, never waits for a lock (it may run during garbage
-        collection, in any thread); the second call does nothing."""
+        unless this process's connection to the exporter is in use by another thread, gone, or
+        has notes waiting (then the release thread does). Never raises, never waits for a lock
+        (it may run during garbage collection, in any thread); the second call does nothing."""
         item = _live.pop(self.key, None)
         if item is None:
             return
