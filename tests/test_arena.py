@@ -489,3 +489,51 @@ def test_a_received_buffer_closed_on_a_busy_stream_comes_back_only_after_that_st
         assert driver.cuMemcpyDtoH(host, where, gib)[0] == driver.CUresult.CUDA_SUCCESS
         assert (host == 2).all()  # it landed before the block came back, not on the new buffer
         b.close()
+
+
+WORK_MS = 1500  # the simulated work a memset stands for in the next test's child
+
+
+def close_behind_simulated_work(buf) -> dict:
+    """Job: queue a memset on a stream of this process's own (GPU_SERDE_SIM_WORK_MS makes it
+    simulated work in flight) and close the buffer on that stream while it is."""
+    from cuda.bindings import driver
+
+    buf = gpu_serde.resolve(buf)
+    dev = Device(buf.device_id)
+    dev.set_current()
+    busy = dev.create_stream()
+    began = time.monotonic()
+    (err,) = driver.cuMemsetD32Async(int(buf.handle), 1, buf.size // 4, int(busy.handle))
+    assert err == driver.CUresult.CUDA_SUCCESS, err
+    queued = driver.cuStreamQuery(busy.handle)[0] == driver.CUresult.CUDA_ERROR_NOT_READY
+    buf.close(busy)
+    return {"queued at the close": queued, "began": began}
+
+
+def test_a_buffer_closed_behind_simulated_work_comes_back_only_once_that_work_is_done(
+    installed, monkeypatch
+):
+    # the CPU tier's walk of the busy-stream close: the close records an event and the release
+    # waits for it (the real GPU tier checks the bytes with a kernel instead)
+    short_release_grace(monkeypatch, 0.0)
+    gpus = installed
+    dev = Device(len(gpus) - 1)
+    dev.set_current()
+    arena = ArenaMemoryResource(dev, 4 << 20)
+    buf = arena.allocate(arena.size)
+    with child(monkeypatch, gpus[-1].uuid, GPU_SERDE_SIM_WORK_MS=str(WORK_MS)) as c:
+        got = c.run(close_behind_simulated_work, buf)
+        buf.close()
+        assert got["queued at the close"]  # else the test means nothing
+        again: list = []
+
+        def reused() -> bool:
+            with contextlib.suppress(ArenaFullError):
+                again.append(arena.allocate(arena.size))
+            return bool(again)
+
+        assert wait_until(reused)
+        back = time.monotonic()  # one clock for both processes (CLOCK_MONOTONIC)
+    assert back >= got["began"] + WORK_MS / 1e3  # not before the child's stream was done
+    again[0].close()

@@ -273,3 +273,52 @@ def test_peers_are_not_accessible_and_pci_ids_find_their_device(simulated_gpus):
     assert Device(0).can_access_peer(1) is False
     err, dev = driver.cuDeviceGetByPCIBusId(simulated_gpus[2].pci_bus_id.encode())
     assert (err, int(dev)) == (driver.CUresult.CUDA_SUCCESS, 2)
+
+
+WORK = """
+import time
+from cuda.bindings import driver
+from cuda.core import Device
+
+NOT_READY = driver.CUresult.CUDA_ERROR_NOT_READY
+dev = Device(0)
+dev.set_current()
+s, t = dev.create_stream(), dev.create_stream()
+buf = dev.allocate(1 << 20, stream=s)
+s.sync()
+before = {"stream": driver.cuStreamQuery(s.handle)[0] == NOT_READY}
+began = time.monotonic()
+driver.cuMemsetD8Async(int(buf.handle), 7, 1 << 20, int(s.handle))
+event = s.record()
+t.wait(event)  # t now waits for s's work too
+busy = {
+    "stream": driver.cuStreamQuery(s.handle)[0] == NOT_READY,
+    "event": not event.is_done,
+    "the stream that waits for it": driver.cuStreamQuery(t.handle)[0] == NOT_READY,
+    "another stream": driver.cuStreamQuery(dev.create_stream().handle)[0] == NOT_READY,
+}
+t.sync()
+report(before=before, busy=busy, waited=time.monotonic() - began,
+       after=driver.cuStreamQuery(s.handle)[0] == NOT_READY, done=event.is_done)
+"""
+
+
+def test_simulated_work_keeps_its_stream_and_events_busy_until_it_is_done():
+    got = run_child(WORK, {**child_env(GPUS, None), "GPU_SERDE_SIM_WORK_MS": "300"})
+    assert got["before"] == {"stream": False}  # a stream with nothing queued is idle
+    assert got["busy"] == {
+        "stream": True,
+        "event": True,
+        "the stream that waits for it": True,
+        "another stream": False,
+    }
+    assert got["waited"] >= 0.3  # synchronising waits for the work
+    assert (got["after"], got["done"]) == (False, True)
+
+
+def test_without_simulated_work_every_stream_is_idle_at_once():
+    got = run_child(WORK, child_env(GPUS, None))
+    assert got["busy"] == dict.fromkeys(
+        ("stream", "event", "the stream that waits for it", "another stream"), False
+    )
+    assert (got["after"], got["done"]) == (False, True)

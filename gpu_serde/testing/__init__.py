@@ -14,6 +14,9 @@ VMM allocation too): an exported descriptor maps the same bytes in the importer,
 pointer" is a host address. It keeps the CUDA rules on imports (importers free
 first, a destroyed pool's memory is gone) with the driver's error codes; :func:`violations` counts
 exporters that freed first. ``GPU_SERDE_SIM_TRACE=1`` prints every failing call.
+``GPU_SERDE_SIM_WORK_MS=t`` makes each async copy or memset count as ``t`` ms of work in flight
+on its stream (its bytes move at once): until then the stream and the events recorded behind it
+are not done, so code that does something else for a busy stream runs that path too.
 
 It does **not** simulate kernels (no CuPy or PyTorch work), graphs, the CUDA runtime
 (``Device.sync()``, ``Device.pci_bus_id``), peer access (every "GPU" is host memory), managed

@@ -1,7 +1,8 @@
 /*
  * gpu_serde stand-in CUDA driver: copies, memsets, pointer attributes, memory info.
  *
- * Copies and memsets run inside the call (the stream is checked, then ignored). The device side of
+ * Copies and memsets run inside the call (the stream is checked; with GPU_SERDE_SIM_WORK_MS, an async
+ * one keeps its stream busy that much longer). The device side of
  * a DtoH, HtoD or DtoD copy and every memset must lie inside memory this process allocated or
  * imported, else CUDA_ERROR_INVALID_VALUE (so a stale pointer fails instead of crashing); the host
  * side of a copy is any host address, as with unified addressing.
@@ -30,21 +31,26 @@ static CUresult copy(void *dst, const void *src, size_t n, int dst_dev, int src_
 }
 
 #define P(x) ((void *)(uintptr_t)(x))
+/* An async call: on success, its stream has that much more work queued. */
+static CUresult queued(CUresult r, CUstream s) {
+    if (r == SUCCESS) sim_stream_queue(s);
+    return r;
+}
 CUresult cuMemcpy(CUdeviceptr d, CUdeviceptr s, size_t n) { return copy(P(d), P(s), n, 0, 0, NULL, __func__); }
-CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) { return copy(P(d), P(s), n, 0, 0, st, __func__); }
+CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) { return queued(copy(P(d), P(s), n, 0, 0, st, __func__), st); }
 CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void *s, size_t n) { return copy(P(d), s, n, 1, 0, NULL, __func__); }
-CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *s, size_t n, CUstream st) { return copy(P(d), s, n, 1, 0, st, __func__); }
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *s, size_t n, CUstream st) { return queued(copy(P(d), s, n, 1, 0, st, __func__), st); }
 CUresult cuMemcpyDtoH_v2(void *d, CUdeviceptr s, size_t n) { return copy(d, P(s), n, 0, 1, NULL, __func__); }
-CUresult cuMemcpyDtoHAsync_v2(void *d, CUdeviceptr s, size_t n, CUstream st) { return copy(d, P(s), n, 0, 1, st, __func__); }
+CUresult cuMemcpyDtoHAsync_v2(void *d, CUdeviceptr s, size_t n, CUstream st) { return queued(copy(d, P(s), n, 0, 1, st, __func__), st); }
 CUresult cuMemcpyDtoD_v2(CUdeviceptr d, CUdeviceptr s, size_t n) { return copy(P(d), P(s), n, 1, 1, NULL, __func__); }
-CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) { return copy(P(d), P(s), n, 1, 1, st, __func__); }
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) { return queued(copy(P(d), P(s), n, 1, 1, st, __func__), st); }
 CUresult cuMemcpyPeer(CUdeviceptr d, CUcontext dc, CUdeviceptr s, CUcontext sc, size_t n) {
     if (sim_ctx_device(dc) < 0 || sim_ctx_device(sc) < 0) return sim_fail(INVALID_CONTEXT, __func__);
     return copy(P(d), P(s), n, 1, 1, NULL, __func__);
 }
 CUresult cuMemcpyPeerAsync(CUdeviceptr d, CUcontext dc, CUdeviceptr s, CUcontext sc, size_t n, CUstream st) {
     if (sim_ctx_device(dc) < 0 || sim_ctx_device(sc) < 0) return sim_fail(INVALID_CONTEXT, __func__);
-    return copy(P(d), P(s), n, 1, 1, st, __func__);
+    return queued(copy(P(d), P(s), n, 1, 1, st, __func__), st);
 }
 
 static CUresult fill(CUdeviceptr d, const void *value, size_t width, size_t count, CUstream s, const char *fn) {
@@ -59,11 +65,11 @@ static CUresult fill(CUdeviceptr d, const void *value, size_t width, size_t coun
 }
 
 CUresult cuMemsetD8_v2(CUdeviceptr d, unsigned char v, size_t n) { return fill(d, &v, 1, n, NULL, __func__); }
-CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, CUstream s) { return fill(d, &v, 1, n, s, __func__); }
+CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, CUstream s) { return queued(fill(d, &v, 1, n, s, __func__), s); }
 CUresult cuMemsetD16_v2(CUdeviceptr d, unsigned short v, size_t n) { return fill(d, &v, 2, n, NULL, __func__); }
-CUresult cuMemsetD16Async(CUdeviceptr d, unsigned short v, size_t n, CUstream s) { return fill(d, &v, 2, n, s, __func__); }
+CUresult cuMemsetD16Async(CUdeviceptr d, unsigned short v, size_t n, CUstream s) { return queued(fill(d, &v, 2, n, s, __func__), s); }
 CUresult cuMemsetD32_v2(CUdeviceptr d, unsigned v, size_t n) { return fill(d, &v, 4, n, NULL, __func__); }
-CUresult cuMemsetD32Async(CUdeviceptr d, unsigned v, size_t n, CUstream s) { return fill(d, &v, 4, n, s, __func__); }
+CUresult cuMemsetD32Async(CUdeviceptr d, unsigned v, size_t n, CUstream s) { return queued(fill(d, &v, 4, n, s, __func__), s); }
 
 CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
     if (!free_bytes || !total) return sim_fail(INVALID_VALUE, __func__);

@@ -2,10 +2,13 @@
  * gpu_serde stand-in CUDA driver: contexts, streams and events.
  *
  * Every device has one primary context; each thread has a context stack (cuCtxSetCurrent replaces
- * its top). Work is done when it is issued (a copy or a memset runs inside the call), so streams and
- * events only keep their flags: synchronising returns at once and every event is complete when
- * recorded. Event times are host clock readings, meaningless as GPU timings. An IPC event handle
- * names the exporting process and event; opening it elsewhere gives an event that is always complete.
+ * its top). Work is done when it is issued (a copy or a memset runs inside the call). By default streams
+ * and events only keep their flags: synchronising returns at once and every event is complete when
+ * recorded. With GPU_SERDE_SIM_WORK_MS=t, each copy or memset queued on a stream counts as t ms of
+ * work behind the stream's earlier work: until then the stream and the events recorded behind it
+ * report CUDA_ERROR_NOT_READY, and synchronising waits (the bytes have already moved). Event times
+ * are host clock readings, meaningless as GPU timings. An IPC event handle names the exporting
+ * process and event; opening it elsewhere gives an event that is always complete.
  */
 #define _GNU_SOURCE
 #include <stdlib.h>
@@ -17,8 +20,12 @@
 
 pthread_mutex_t sim_lock = PTHREAD_MUTEX_INITIALIZER;
 
-struct sim_ctx { uint32_t magic; int device; int retained; unsigned flags; unsigned long long id; };
+/* busy: when the work queued on the context's default streams is done; last: on any of its streams */
+struct sim_ctx {
+    uint32_t magic; int device; int retained; unsigned flags; unsigned long long id; double busy, last;
+};
 #define CTX_MAGIC 0x43545853u
+static void sim_sleep_until(double when);
 static struct sim_ctx primary[MAX_GPUS];
 static __thread CUcontext ctx_stack[32];
 static __thread int ctx_depth = 0;
@@ -142,7 +149,13 @@ CUresult cuCtxGetFlags(unsigned *flags) {
 }
 
 CUresult cuCtxSynchronize(void) {
-    return sim_current_ctx() ? SUCCESS : sim_fail(INVALID_CONTEXT, __func__);
+    CUcontext c = sim_current_ctx();
+    if (!c) return sim_fail(INVALID_CONTEXT, __func__);
+    pthread_mutex_lock(&sim_lock);
+    double when = c->last;
+    pthread_mutex_unlock(&sim_lock);
+    sim_sleep_until(when);
+    return SUCCESS;
 }
 
 CUresult cuCtxGetStreamPriorityRange(int *least, int *greatest) {
@@ -151,9 +164,34 @@ CUresult cuCtxGetStreamPriorityRange(int *least, int *greatest) {
     return SUCCESS;
 }
 
+/* ---- work in flight (GPU_SERDE_SIM_WORK_MS) ---- */
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
+}
+
+static double work_s(void) {
+    static double w = -1;
+    if (w < 0) {
+        const char *t = getenv("GPU_SERDE_SIM_WORK_MS");
+        double v = t ? strtod(t, NULL) : 0;
+        w = v > 0 && v < 3.6e6 ? v / 1e3 : 0;
+    }
+    return w;
+}
+
+static void sim_sleep_until(double when) {
+    double left = when - now_s();
+    if (left <= 0) return;
+    struct timespec t = {(time_t)left, (long)((left - (double)(time_t)left) * 1e9)};
+    while (nanosleep(&t, &t) != 0) {}
+}
+
 /* ---- streams ---- */
 struct sim_stream {
     uint32_t magic; int device; CUcontext ctx; unsigned flags; int priority; unsigned long long id;
+    double busy; /* when the work queued on it is done */
 };
 #define STREAM_MAGIC 0x4d525453u
 #define LEGACY_STREAM ((CUstream)0x1)
@@ -172,6 +210,43 @@ CUresult sim_stream_check(CUstream s, int *device) {
     return SUCCESS;
 }
 
+/* Where a stream's "done at" lives: its own, or its context's for the default streams (NULL: none). */
+static double *busy_of(CUstream s, CUcontext *ctx) {
+    if (s == NULL || s == LEGACY_STREAM || s == PER_THREAD_STREAM) {
+        CUcontext c = sim_current_ctx();
+        *ctx = c;
+        return c ? &c->busy : NULL;
+    }
+    *ctx = s->ctx;
+    return s->magic == STREAM_MAGIC ? &s->busy : NULL;
+}
+
+/* When the work queued on stream s (already checked) is done. */
+static double stream_busy(CUstream s) {
+    CUcontext c;
+    pthread_mutex_lock(&sim_lock);
+    double *b = busy_of(s, &c), when = b ? *b : 0;
+    pthread_mutex_unlock(&sim_lock);
+    return when;
+}
+
+/* The stream waits for work that is done at `when` too. */
+static void stream_after(CUstream s, double when) {
+    CUcontext c;
+    pthread_mutex_lock(&sim_lock);
+    double *b = busy_of(s, &c);
+    if (b && *b < when) *b = when;
+    if (c && c->last < when) c->last = when;
+    pthread_mutex_unlock(&sim_lock);
+}
+
+void sim_stream_queue(CUstream s) {
+    double w = work_s();
+    if (w <= 0) return;
+    double now = now_s(), when = stream_busy(s);
+    stream_after(s, (when > now ? when : now) + w);
+}
+
 CUresult cuStreamCreateWithPriority(CUstream *out, unsigned flags, int priority) {
     CUcontext c = sim_current_ctx();
     if (!c) return sim_fail(INVALID_CONTEXT, __func__);
@@ -179,7 +254,7 @@ CUresult cuStreamCreateWithPriority(CUstream *out, unsigned flags, int priority)
     struct sim_stream *s = calloc(1, sizeof *s);
     if (!s) return sim_fail(OUT_OF_MEMORY, __func__);
     pthread_mutex_lock(&sim_lock);
-    *s = (struct sim_stream){STREAM_MAGIC, c->device, c, flags, priority, next_id++};
+    *s = (struct sim_stream){STREAM_MAGIC, c->device, c, flags, priority, next_id++, 0};
     pthread_mutex_unlock(&sim_lock);
     *out = s;
     return SUCCESS;
@@ -198,10 +273,14 @@ CUresult cuStreamDestroy_v2(CUstream s) {
 #define STREAM_OP(name)                                         \
     CUresult r = sim_stream_check(s, NULL);                     \
     if (r) return sim_fail(r, name);
-CUresult cuStreamSynchronize(CUstream s) { STREAM_OP(__func__) return SUCCESS; }
-CUresult cuStreamQuery(CUstream s) { STREAM_OP(__func__) return SUCCESS; }
+CUresult cuStreamSynchronize(CUstream s) { STREAM_OP(__func__) sim_sleep_until(stream_busy(s)); return SUCCESS; }
+/* Not an error: no trace for a stream still at work. */
+CUresult cuStreamQuery(CUstream s) { STREAM_OP(__func__) return now_s() < stream_busy(s) ? NOT_READY : SUCCESS; }
+static double event_busy(CUevent e);
 CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags) {
-    (void)e; (void)flags; STREAM_OP(__func__) return SUCCESS;
+    (void)flags; STREAM_OP(__func__)
+    stream_after(s, event_busy(e));
+    return SUCCESS;
 }
 CUresult cuStreamGetPriority(CUstream s, int *p) {
     STREAM_OP(__func__)
@@ -237,13 +316,16 @@ CUresult cuStreamGetCtx(CUstream s, CUcontext *ctx) {
 }
 
 /* ---- events ---- */
-struct sim_event { uint32_t magic; unsigned flags; int recorded; struct timespec t; };
+struct sim_event { uint32_t magic; unsigned flags; int recorded; struct timespec t; double busy; };
 #define EVENT_MAGIC 0x544e5645u
 #define EV_DISABLE_TIMING 2u
 #define EV_INTERPROCESS 4u
 static const char ipc_event_tag[8] = "GSSIMEVT";
 
 static int event_ok(CUevent e) { return e && e->magic == EVENT_MAGIC; }
+
+/* When the work an event was recorded behind is done (0: never recorded, or opened by IPC). */
+static double event_busy(CUevent e) { return event_ok(e) ? e->busy : 0; }
 
 CUresult cuEventCreate(CUevent *out, unsigned flags) {
     if (!sim_current_ctx()) return sim_fail(INVALID_CONTEXT, __func__);
@@ -263,12 +345,20 @@ CUresult cuEventRecord(CUevent e, CUstream s) {
     if (r) return sim_fail(r, __func__);
     clock_gettime(CLOCK_MONOTONIC, &e->t);
     e->recorded = 1;
+    e->busy = stream_busy(s);
     return SUCCESS;
 }
 
 CUresult cuEventRecordWithFlags(CUevent e, CUstream s, unsigned flags) { (void)flags; return cuEventRecord(e, s); }
-CUresult cuEventSynchronize(CUevent e) { return event_ok(e) ? SUCCESS : sim_fail(INVALID_HANDLE, __func__); }
-CUresult cuEventQuery(CUevent e) { return event_ok(e) ? SUCCESS : sim_fail(INVALID_HANDLE, __func__); }
+CUresult cuEventSynchronize(CUevent e) {
+    if (!event_ok(e)) return sim_fail(INVALID_HANDLE, __func__);
+    sim_sleep_until(e->busy);
+    return SUCCESS;
+}
+CUresult cuEventQuery(CUevent e) {
+    if (!event_ok(e)) return sim_fail(INVALID_HANDLE, __func__);
+    return now_s() < e->busy ? NOT_READY : SUCCESS;
+}
 
 CUresult cuEventDestroy_v2(CUevent e) {
     if (!event_ok(e)) return sim_fail(INVALID_HANDLE, __func__);
