@@ -209,6 +209,7 @@ def test_a_block_an_importer_holds_is_reused_only_after_it_closed_it(gpu, tier, 
     with child(monkeypatch, tier.uuid) as c:
         assert c.run(keep, buf)["ok"]
         buf.close()  # the sender is done with it; the child is not
+        assert (arena.free_bytes, arena.held_bytes) == (0, arena.size)  # what the child holds
         with pytest.raises(ArenaFullError) as info:
             arena.allocate(arena.size)  # the block is not handed out while the child holds it
         assert info.value.held == arena.size
@@ -224,6 +225,7 @@ def test_a_block_an_importer_holds_is_reused_only_after_it_closed_it(gpu, tier, 
 
         assert wait_until(reused)
     assert int(again[0].handle) == where
+    assert arena.held_bytes == 0  # let go: allocated again, and held for no one
 
 
 def test_an_arena_reaches_a_child_as_an_imported_arena_that_cannot_allocate(gpu, tier, monkeypatch):

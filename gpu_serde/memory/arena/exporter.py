@@ -491,8 +491,16 @@ class ArenaMemoryResource(lifetime.DeviceMemory, MemoryResource):
     @property
     def free_bytes(self) -> int:
         """Bytes not allocated (in blocks of any size; freed blocks count once their stream's
-        work is done)."""
+        work is done). A sent buffer closed here comes back only once its receivers let go of
+        it: :attr:`held_bytes` counts those."""
         return self._r.stats()["free"]
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes in blocks kept for receivers: sent and not yet let go (a receiver holds them,
+        the grace period after their last release has not passed, or a payload sent has not been
+        received yet), whether this process still has the buffer open or closed it."""
+        return self._r.stats()["held"]
 
     @property
     def largest_free_block(self) -> int:
