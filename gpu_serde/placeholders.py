@@ -43,7 +43,7 @@ def not_visible_error(p: DevicePayload, inv: Inventory, what: str = "GPU") -> De
         f"Here: {role}host {quoted(inv.host)}, pid {os.getpid()}, {inv.describe()}\n"
         f"Run this work where that GPU is visible: on host {host}, in a worker whose "
         f"CUDA_VISIBLE_DEVICES includes {uuid} (Ray: a task or actor given that GPU; Dask: a "
-        "worker started with it), or send a Device this worker can see."
+        "worker started with it), or send what lives on a GPU this process can see."
     )
     return DeviceNotVisibleError(msg, uuid=uuid, host=safe(p.host), visible=inv.devices)
 

@@ -45,6 +45,11 @@ def _one_uuid(obj: Any) -> str:
         return _local_uuid(obj.device_id, f"Device({obj.device_id})")
     if isinstance(obj, Buffer):
         mr = obj.memory_resource
+        if mr is None and int(obj.handle) == 0:  # cuda.core's closed Buffer says no more
+            raise ValueError(
+                "on() was given a closed Buffer: it has no memory, and so no GPU; route by its "
+                "Device or memory resource, or before you close it"
+            )
         ordinal = mr.device_id if mr is not None else obj.device_id
         what = "this Buffer"
         if not obj.is_device_accessible or ordinal < 0:
@@ -86,6 +91,7 @@ def target_uuid(obj: Any) -> str:
 
     Raises:
         TypeError: ``obj`` is none of those (an int ordinal included), or is host memory.
+        ValueError: ``obj`` is a closed ``Buffer``.
         PlacementError: a list is empty, or holds objects on different GPUs.
         DeviceNotVisibleError: a Device or memory names an ordinal this process does not see.
         DeviceNotVisibleError, PayloadError, HandoffError: ``obj`` is an

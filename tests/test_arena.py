@@ -186,6 +186,17 @@ def test_allocate_checks_its_stream_before_it_looks_for_room(gpu, tier):
     kept.close()
 
 
+def test_allocate_refuses_a_stream_of_another_device(installed):
+    Device(0).set_current()
+    other = Device(0).create_stream()
+    Device(1).set_current()
+    arena = ArenaMemoryResource(Device(1), 2 << 20)
+    with pytest.raises(ValueError, match=r"a stream of device 0, but this arena's memory is on"):
+        arena.allocate(1024, stream=other)
+    assert arena.free_bytes == arena.size  # nothing taken
+    arena.allocate(1024, stream=Device(1).create_stream()).close()
+
+
 def test_a_full_arena_says_when_its_blocks_wait_for_payloads_no_process_has_received(gpu, tier):
     arena = ArenaMemoryResource(gpu, 4 << 20)
     for _ in range(4):
@@ -199,6 +210,23 @@ def test_a_full_arena_says_when_its_blocks_wait_for_payloads_no_process_has_rece
     assert "4.0 MiB (4,194,304 bytes) of it are buffers sent (or sent again)" in message
     assert "Receive what you send" in message
     assert "GPU_SERDE_RELEASE_GRACE_S" not in message  # no grace brings these back
+
+
+def test_deallocate_refuses_a_pointer_it_did_not_hand_out_or_freed_already(gpu, tier):
+    arena = ArenaMemoryResource(gpu, tier.size)
+    buf = arena.allocate(tier.size // 2)
+    where = int(buf.handle)
+    for wrong in (12345, where + 4096, where + arena.size):
+        with pytest.raises(ValueError, match="not a block this arena handed out"):
+            arena.deallocate(wrong, 16)
+    buf.close()
+    with pytest.raises(ValueError, match="freed already"):
+        arena.deallocate(where, tier.size // 2)  # a second free of what close freed
+    assert wait_until(lambda: arena.free_bytes == arena.size)  # counted once
+    a, b = arena.allocate(tier.size // 2), arena.allocate(tier.size // 2)  # still whole
+    assert int(a.handle) != int(b.handle)
+    a.close()
+    b.close()
 
 
 def test_a_block_an_importer_holds_is_reused_only_after_it_closed_it(gpu, tier, monkeypatch):

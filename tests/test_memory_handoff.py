@@ -26,6 +26,7 @@ from cuda.core import (
 )
 from memtier import (
     check,
+    child,
     exited_cleanly,
     fill,
     host_words,
@@ -353,3 +354,29 @@ def test_a_receiver_closing_a_buffer_on_its_stream_releases_it_and_cannot_send_i
     finally:
         inbox.put("done")
         child.join(60)
+
+
+def receive_error(data: bytes) -> str:
+    """Job: unpickle and use a buffer; the error it raised (its type and message)."""
+    try:
+        gpu_serde.resolve(pickle.loads(data))
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_a_pool_buffer_closed_before_its_receiver_mapped_it_says_why_its_memory_is_gone(
+    installed, monkeypatch
+):
+    gpus = installed
+    d = Device(len(gpus) - 1)
+    d.set_current()
+    mr = DeviceMemoryResource(d, DeviceMemoryResourceOptions(ipc_enabled=True, max_size=1 << 24))
+    buf = mr.allocate(1 << 20, stream=d.default_stream)
+    data = pickle.dumps(buf)
+    buf.close()  # before the receiver maps it: a pool's buffer is freed whatever was sent
+    with child(monkeypatch, gpus[-1].uuid) as c:
+        said = c.run(receive_error, data)
+    assert said.startswith("HandoffError: mapping the exported buffer failed")
+    assert "a pool's buffer is freed by close" in said
+    assert "ArenaMemoryResource" in said

@@ -186,6 +186,18 @@ def test_anything_else_is_a_type_error(dask_cluster, bad):
         gpu_serde.dask.on(bad)
 
 
+def test_routing_a_closed_buffer_is_a_value_error_that_says_what_to_route_by(simulated_gpus):
+    import gpu_serde.ray
+
+    dev = Device(0)
+    dev.set_current()
+    buf = dev.allocate(64, stream=dev.default_stream)
+    buf.close()
+    for on in (gpu_serde.dask.on, gpu_serde.ray.on):
+        with pytest.raises(ValueError, match=r"a closed Buffer: .* route by its Device"):
+            on(buf)
+
+
 def test_a_gpu_no_worker_sees_raises_at_on_naming_every_worker(dask_cluster):
     client, by_name, uuids, _ = dask_cluster
     stranger = placeholder(OTHER_HOST_GPU)

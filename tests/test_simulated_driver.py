@@ -1,6 +1,8 @@
 """The stand-in driver applies CUDA_VISIBLE_DEVICES the way the real one does (FACTS.md)."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -281,44 +283,117 @@ from cuda.bindings import driver
 from cuda.core import Device
 
 NOT_READY = driver.CUresult.CUDA_ERROR_NOT_READY
+LEGACY = 1  # CU_STREAM_LEGACY
+
+
+def busy(stream) -> bool:
+    return driver.cuStreamQuery(stream)[0] == NOT_READY
+
+
+def waited(fn) -> float:
+    start = time.monotonic()
+    fn()
+    return time.monotonic() - start
+
+
 dev = Device(0)
 dev.set_current()
-s, t = dev.create_stream(), dev.create_stream()
+s, t = dev.create_stream(), dev.create_stream()  # cuda.core's: non-blocking
 buf = dev.allocate(1 << 20, stream=s)
 s.sync()
-before = {"stream": driver.cuStreamQuery(s.handle)[0] == NOT_READY}
-began = time.monotonic()
+idle = busy(s.handle)
 driver.cuMemsetD8Async(int(buf.handle), 7, 1 << 20, int(s.handle))
 event = s.record()
 t.wait(event)  # t now waits for s's work too
-busy = {
-    "stream": driver.cuStreamQuery(s.handle)[0] == NOT_READY,
+first = {
+    "stream": busy(s.handle),
     "event": not event.is_done,
-    "the stream that waits for it": driver.cuStreamQuery(t.handle)[0] == NOT_READY,
-    "another stream": driver.cuStreamQuery(dev.create_stream().handle)[0] == NOT_READY,
+    "the stream that waits for it": busy(t.handle),
+    "another stream": busy(dev.create_stream().handle),
+    "the legacy stream": busy(LEGACY),
 }
-t.sync()
-report(before=before, busy=busy, waited=time.monotonic() - began,
-       after=driver.cuStreamQuery(s.handle)[0] == NOT_READY, done=event.is_done)
+synced = waited(t.sync)
+after = {"stream": busy(s.handle), "event": not event.is_done}
+# a blocking stream's work holds the legacy stream, and a copy to the host waits for it
+err, blocking = driver.cuStreamCreate(0)
+driver.cuMemsetD8Async(int(buf.handle), 8, 1 << 20, blocking)
+legacy = busy(LEGACY)
+host = bytearray(16)
+copied = waited(lambda: driver.cuMemcpyDtoH(host, int(buf.handle), 16))
+driver.cuMemsetD8Async(int(buf.handle), 9, 1 << 20, int(s.handle))
+whole = waited(driver.cuCtxSynchronize)
+report(idle=idle, first=first, synced=synced, after=after, legacy=legacy, copied=copied,
+       byte=host[0], whole=whole)
 """
+WORK_MS = 1000
 
 
 def test_simulated_work_keeps_its_stream_and_events_busy_until_it_is_done():
-    got = run_child(WORK, {**child_env(GPUS, None), "GPU_SERDE_SIM_WORK_MS": "300"})
-    assert got["before"] == {"stream": False}  # a stream with nothing queued is idle
-    assert got["busy"] == {
+    got = run_child(WORK, {**child_env(GPUS, None), "GPU_SERDE_SIM_WORK_MS": str(WORK_MS)})
+    assert got["idle"] is False  # a stream with nothing queued is idle
+    assert got["first"] == {
         "stream": True,
         "event": True,
         "the stream that waits for it": True,
-        "another stream": False,
+        "another stream": False,  # non-blocking streams wait for no one
+        "the legacy stream": False,
     }
-    assert got["waited"] >= 0.3  # synchronising waits for the work
-    assert (got["after"], got["done"]) == (False, True)
+    assert got["synced"] >= WORK_MS / 1e3 * 0.5  # synchronising waited for the work
+    assert got["after"] == {"stream": False, "event": False}
+    assert got["legacy"] is True  # as in CUDA: it waits for the blocking stream
+    assert got["copied"] >= WORK_MS / 1e3 * 0.5 and got["byte"] == 8  # after that work
+    assert got["whole"] >= WORK_MS / 1e3 * 0.5  # the context waits for every stream
 
 
 def test_without_simulated_work_every_stream_is_idle_at_once():
     got = run_child(WORK, child_env(GPUS, None))
-    assert got["busy"] == dict.fromkeys(
-        ("stream", "event", "the stream that waits for it", "another stream"), False
+    assert got["first"] == dict.fromkeys(
+        ("stream", "event", "the stream that waits for it", "another stream", "the legacy stream"),
+        False,
     )
-    assert (got["after"], got["done"]) == (False, True)
+    assert got["legacy"] is False and got["byte"] == 8
+
+
+@pytest.mark.parametrize("value", ["abc", "-5", "inf", "nan", "5ms", "3600001", "1\x1b[31m"])
+def test_a_bad_simulated_work_value_is_said_and_ignored(value):
+    done = subprocess.run(
+        [sys.executable, "-c", WORK_BAD],
+        env={**child_env(GPUS, None), "GPU_SERDE_SIM_WORK_MS": value},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "idle"  # no work in flight
+    assert "GPU_SERDE_SIM_WORK_MS=" in done.stderr
+    assert "is not a number of milliseconds from 0 to 3600000: ignored" in done.stderr
+    assert "\x1b" not in done.stderr  # a control character is not echoed
+
+
+WORK_BAD = """
+from cuda.bindings import driver
+from cuda.core import Device
+dev = Device(0)
+dev.set_current()
+s = dev.create_stream()
+buf = dev.allocate(64, stream=s)
+driver.cuMemsetD8Async(int(buf.handle), 1, 64, int(s.handle))
+print("busy" if driver.cuStreamQuery(s.handle)[0] == driver.CUresult.CUDA_ERROR_NOT_READY else "idle")
+"""
+
+
+def test_an_event_recorded_on_another_gpus_stream_is_an_invalid_handle(simulated_gpus):
+    from cuda.bindings import driver
+    from cuda.core import Device
+
+    Device(1).set_current()
+    other = Device(1).create_stream()
+    Device(0).set_current()
+    err, event = driver.cuEventCreate(0)
+    assert err == driver.CUresult.CUDA_SUCCESS
+    try:
+        assert driver.cuEventRecord(event, other.handle)[0] == (
+            driver.CUresult.CUDA_ERROR_INVALID_HANDLE
+        )
+    finally:
+        driver.cuEventDestroy(event)

@@ -141,6 +141,22 @@ def test_place_moves_a_tensor_that_arrived_as_a_tensor():
     assert gpu_serde.tensors.place(CASES["contiguous"], "cpu") is CASES["contiguous"]
 
 
+@pytest.mark.parametrize("device", ["cuda:0", 0, "cuda", torch.device("cuda", 3)])
+def test_place_on_a_gpu_torch_cannot_use_is_device_not_visible_error(installed, device):
+    # this tier's torch is a CPU build: torch itself would raise an AssertionError
+    if torch.backends.cuda.is_built():
+        pytest.skip("a CUDA build of torch: the CPU tier's torch is a CPU build")
+    for x in (CASES["contiguous"], wire.tval(cpu_payload(torch.zeros(2, 2)))):
+        with pytest.raises(DeviceNotVisibleError, match="torch was built without CUDA"):
+            gpu_serde.tensors.place(x, device)
+
+
+@pytest.mark.parametrize("device", ["gpu", 1.5, None, "cuda:x"])
+def test_place_on_what_names_no_device_is_a_type_error(device):
+    with pytest.raises(TypeError, match=r"device is 'cpu', 'cuda:N', a torch\.device or a GPU"):
+        gpu_serde.tensors.place(CASES["contiguous"], device)
+
+
 @pytest.mark.parametrize(
     ("make", "error", "says"),
     [

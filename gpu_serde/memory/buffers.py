@@ -61,7 +61,8 @@ def reduction(buf: Buffer) -> tuple[Any, ...]:
         if isinstance(mr, kind):
             return reducer(buf, mr)
     raise NotIPCEnabledError(
-        f"{buf!r} cannot be sent to another process without a copy: only buffers allocated "
+        f"this Buffer (from a {type(mr).__name__}) cannot be sent to another process without a "
+        "copy: only buffers allocated "
         "from an IPC-enabled DeviceMemoryResource or PinnedMemoryResource (or a "
         "VirtualMemoryResource, or a gpu_serde.ArenaMemoryResource) can"
     )
@@ -90,7 +91,10 @@ def zero_copy(buf: Buffer) -> tuple[str, tuple[Any, ...]]:
     for kind, (name, _) in ZERO_COPY.items():
         if fn is name:
             return kind, payload
-    raise NotIPCEnabledError(f"{buf!r} travels as {fn.__name__}, which is not zero copy")
+    raise NotIPCEnabledError(
+        f"this Buffer (from a {type(buf.memory_resource).__name__}) travels as {fn.__name__}, "
+        "which is not zero copy"
+    )
 
 
 def rebuild_zero_copy(kind: str, payload: object) -> Buffer:

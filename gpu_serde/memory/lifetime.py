@@ -185,7 +185,7 @@ def sent_closed(buf: Buffer) -> tuple[Any, ...]:
     raise HandoffError(
         f"this Buffer was closed by its exporter {why}: a closed buffer cannot be sent; send it "
         "before you close it, and keep it open while it may be sent again (a Dask recomputation "
-        "re-sends a task's arguments)"
+        "or a Ray task retry sends a task's arguments again)"
     )
 
 

@@ -87,7 +87,7 @@ def pool_payload(mr: Pool) -> tuple[Any, ...]:
     kind = next((k for k in _FIX if isinstance(mr, k)), None)
     if kind is None or not mr.is_ipc_enabled:
         raise NotIPCEnabledError(
-            f"{mr!r} cannot be sent to another process: "
+            f"this {type(mr).__name__} cannot be sent to another process: "
             + (
                 f"its pool is not IPC-enabled. Create it with {_FIX[kind]}"
                 if kind is not None
@@ -275,7 +275,13 @@ def rebuild_buffer(payload: object) -> Buffer:
             desc = compat.ipc_buffer_descriptor(p.reserved, p.size)
             owner = Buffer.from_ipc_descriptor(mr, desc, stream=dev.default_stream)
         except Exception as exc:
-            raise HandoffError(f"mapping the exported buffer failed: {exc}") from exc
+            raise HandoffError(
+                f"mapping the exported buffer failed: {exc}. If its sender closed it (or let "
+                "it be collected) before this process mapped it, its memory is gone: a pool's "
+                "buffer is freed by close, whatever was sent. Keep it open until its receivers "
+                "have it, or allocate what you send from an ArenaMemoryResource (a sent block "
+                "stays until its receivers let go)"
+            ) from exc
         imported = ImportedMemory(owner, mr, dev.device_id, hold)
         buf = imported.hand_out(Buffer.from_handle(int(owner.handle), p.size, mr=imported))
         hold.keep(buf, (wire.buf, (payload,)))

@@ -78,7 +78,7 @@ def place(x: Any, device: Any) -> Any:
     if not isinstance(x, UnresolvedObject):
         torch = sys.modules.get("torch")  # imported if x is a tensor
         if torch is not None and isinstance(x, torch.Tensor | torch.nn.Module):
-            return x.to(device)
+            return x.to(_torch_device(torch, device))
         arrays = tuple(
             sys.modules[name].ndarray for name in ("cupy", "numpy") if name in sys.modules
         )
@@ -96,4 +96,41 @@ def place(x: Any, device: Any) -> Any:
         p = decode_tval(x._args[0])
     except PayloadError:
         raise x._error() from None
-    return module(p.meta.library).place_value(p, device)
+    m = module(p.meta.library)
+    if p.meta.library == "torch":
+        device = _torch_device(sys.modules["torch"], device)
+    return m.place_value(p, device)
+
+
+def _torch_device(torch: Any, device: Any) -> Any:
+    """``device`` as a ``torch.device`` that this process's torch can use.
+
+    Raises:
+        TypeError: it names no device.
+        DeviceNotVisibleError: it is a GPU this process's torch does not see (a CPU build of
+            torch, no GPU visible, or an index past the last).
+    """
+    try:
+        if isinstance(device, int) and not isinstance(device, bool):
+            where = torch.device("cuda", device)
+        else:
+            where = torch.device(device)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(
+            "gpu_serde.tensors.place(x, device): device is 'cpu', 'cuda:N', a torch.device or "
+            f"a GPU ordinal, not {device!r:.80}"
+        ) from None
+    if where.type != "cuda":
+        return where
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count and (where.index is None or where.index < count):
+        return where
+    why = (
+        "this process's torch was built without CUDA"
+        if not torch.backends.cuda.is_built()
+        else f"this process's torch sees {count} GPU(s)"
+    )
+    raise DeviceNotVisibleError(
+        f"gpu_serde.tensors.place(x, {device!r:.80}): {why}. Place it on a GPU this process "
+        "sees, or on 'cpu'"
+    )

@@ -7,16 +7,18 @@ case; the list stops at the first entry that names no GPU). cuda.core sees real 
 with UUIDs, names, PCI ids and a compute capability of 9.0.
 
 It keeps memory in host memory that other processes can map, enough for cuda.core 1.2's
-``set_current()``, streams and events (synchronous; IPC events too), ``DeviceMemoryResource`` with
-and without IPC, ``PinnedMemoryResource`` with IPC, ``VirtualMemoryResource`` with ``posix_fd``
-handles, ``cuMemcpy*``, ``cuMemsetD8/16/32*`` and pointer attributes. Each pool is one memfd (each
+``set_current()``, streams and events (synchronous by default; IPC events too),
+``DeviceMemoryResource`` with and without IPC, ``PinnedMemoryResource`` with IPC,
+``VirtualMemoryResource`` with ``posix_fd`` handles, ``cuMemcpy*``, ``cuMemsetD8/16/32*`` and
+pointer attributes. Each pool is one memfd (each
 VMM allocation too): an exported descriptor maps the same bytes in the importer, and a "device
 pointer" is a host address. It keeps the CUDA rules on imports (importers free
 first, a destroyed pool's memory is gone) with the driver's error codes; :func:`violations` counts
 exporters that freed first. ``GPU_SERDE_SIM_TRACE=1`` prints every failing call.
-``GPU_SERDE_SIM_WORK_MS=t`` makes each async copy or memset count as ``t`` ms of work in flight
-on its stream (its bytes move at once): until then the stream and the events recorded behind it
-are not done, so code that does something else for a busy stream runs that path too.
+``GPU_SERDE_SIM_WORK_MS=t`` (read when the stand-in loads) makes each async copy or memset
+count as ``t`` ms of work in flight on its stream (its bytes move at once): until then the stream
+and the events recorded behind it are not done, so code that does something else for a busy
+stream runs that path too. An event opened from another process's IPC handle is always complete.
 
 It does **not** simulate kernels (no CuPy or PyTorch work), graphs, the CUDA runtime
 (``Device.sync()``, ``Device.pci_bus_id``), peer access (every "GPU" is host memory), managed

@@ -2,7 +2,9 @@
  * gpu_serde stand-in CUDA driver: copies, memsets, pointer attributes, memory info.
  *
  * Copies and memsets run inside the call (the stream is checked; with GPU_SERDE_SIM_WORK_MS, an async
- * one keeps its stream busy that much longer). The device side of
+ * one keeps its stream busy that much longer; as in CUDA, a device-to-device copy or a memset
+ * without a stream is work on the legacy default stream, and a copy to or from the host first
+ * waits for that stream's work). The device side of
  * a DtoH, HtoD or DtoD copy and every memset must lie inside memory this process allocated or
  * imported, else CUDA_ERROR_INVALID_VALUE (so a stale pointer fails instead of crashing); the host
  * side of a copy is any host address, as with unified addressing.
@@ -36,16 +38,17 @@ static CUresult queued(CUresult r, CUstream s) {
     if (r == SUCCESS) sim_stream_queue(s);
     return r;
 }
-CUresult cuMemcpy(CUdeviceptr d, CUdeviceptr s, size_t n) { return copy(P(d), P(s), n, 0, 0, NULL, __func__); }
+CUresult cuMemcpy(CUdeviceptr d, CUdeviceptr s, size_t n) { sim_wait_legacy(); return copy(P(d), P(s), n, 0, 0, NULL, __func__); }
 CUresult cuMemcpyAsync(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) { return queued(copy(P(d), P(s), n, 0, 0, st, __func__), st); }
-CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void *s, size_t n) { return copy(P(d), s, n, 1, 0, NULL, __func__); }
+CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void *s, size_t n) { sim_wait_legacy(); return copy(P(d), s, n, 1, 0, NULL, __func__); }
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void *s, size_t n, CUstream st) { return queued(copy(P(d), s, n, 1, 0, st, __func__), st); }
-CUresult cuMemcpyDtoH_v2(void *d, CUdeviceptr s, size_t n) { return copy(d, P(s), n, 0, 1, NULL, __func__); }
+CUresult cuMemcpyDtoH_v2(void *d, CUdeviceptr s, size_t n) { sim_wait_legacy(); return copy(d, P(s), n, 0, 1, NULL, __func__); }
 CUresult cuMemcpyDtoHAsync_v2(void *d, CUdeviceptr s, size_t n, CUstream st) { return queued(copy(d, P(s), n, 0, 1, st, __func__), st); }
-CUresult cuMemcpyDtoD_v2(CUdeviceptr d, CUdeviceptr s, size_t n) { return copy(P(d), P(s), n, 1, 1, NULL, __func__); }
+CUresult cuMemcpyDtoD_v2(CUdeviceptr d, CUdeviceptr s, size_t n) { return queued(copy(P(d), P(s), n, 1, 1, NULL, __func__), NULL); }
 CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, CUstream st) { return queued(copy(P(d), P(s), n, 1, 1, st, __func__), st); }
 CUresult cuMemcpyPeer(CUdeviceptr d, CUcontext dc, CUdeviceptr s, CUcontext sc, size_t n) {
     if (sim_ctx_device(dc) < 0 || sim_ctx_device(sc) < 0) return sim_fail(INVALID_CONTEXT, __func__);
+    sim_wait_legacy();
     return copy(P(d), P(s), n, 1, 1, NULL, __func__);
 }
 CUresult cuMemcpyPeerAsync(CUdeviceptr d, CUcontext dc, CUdeviceptr s, CUcontext sc, size_t n, CUstream st) {
@@ -64,11 +67,11 @@ static CUresult fill(CUdeviceptr d, const void *value, size_t width, size_t coun
     return SUCCESS;
 }
 
-CUresult cuMemsetD8_v2(CUdeviceptr d, unsigned char v, size_t n) { return fill(d, &v, 1, n, NULL, __func__); }
+CUresult cuMemsetD8_v2(CUdeviceptr d, unsigned char v, size_t n) { return queued(fill(d, &v, 1, n, NULL, __func__), NULL); }
 CUresult cuMemsetD8Async(CUdeviceptr d, unsigned char v, size_t n, CUstream s) { return queued(fill(d, &v, 1, n, s, __func__), s); }
-CUresult cuMemsetD16_v2(CUdeviceptr d, unsigned short v, size_t n) { return fill(d, &v, 2, n, NULL, __func__); }
+CUresult cuMemsetD16_v2(CUdeviceptr d, unsigned short v, size_t n) { return queued(fill(d, &v, 2, n, NULL, __func__), NULL); }
 CUresult cuMemsetD16Async(CUdeviceptr d, unsigned short v, size_t n, CUstream s) { return queued(fill(d, &v, 2, n, s, __func__), s); }
-CUresult cuMemsetD32_v2(CUdeviceptr d, unsigned v, size_t n) { return fill(d, &v, 4, n, NULL, __func__); }
+CUresult cuMemsetD32_v2(CUdeviceptr d, unsigned v, size_t n) { return queued(fill(d, &v, 4, n, NULL, __func__), NULL); }
 CUresult cuMemsetD32Async(CUdeviceptr d, unsigned v, size_t n, CUstream s) { return queued(fill(d, &v, 4, n, s, __func__), s); }
 
 CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {

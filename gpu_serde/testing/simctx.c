@@ -11,6 +11,8 @@
  * process and event; opening it elsewhere gives an event that is always complete.
  */
 #define _GNU_SOURCE
+#include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -20,9 +22,10 @@
 
 pthread_mutex_t sim_lock = PTHREAD_MUTEX_INITIALIZER;
 
-/* busy: when the work queued on the context's default streams is done; last: on any of its streams */
+/* legacy, blocking, last: when work queued there is done (see "work in flight" below) */
 struct sim_ctx {
-    uint32_t magic; int device; int retained; unsigned flags; unsigned long long id; double busy, last;
+    uint32_t magic; int device; int retained; unsigned flags; unsigned long long id;
+    double legacy, blocking, last;
 };
 #define CTX_MAGIC 0x43545853u
 static void sim_sleep_until(double when);
@@ -164,21 +167,40 @@ CUresult cuCtxGetStreamPriorityRange(int *least, int *greatest) {
     return SUCCESS;
 }
 
-/* ---- work in flight (GPU_SERDE_SIM_WORK_MS) ---- */
+/* ---- work in flight (GPU_SERDE_SIM_WORK_MS) ----
+ * Each async copy or memset is `work` seconds of work on its stream, done after the work queued
+ * there before it. Done times are CLOCK_MONOTONIC seconds, read and written under sim_lock: a
+ * created stream keeps its own; per context, `legacy` is the legacy default stream's, `blocking`
+ * the latest of its blocking streams' (made without CU_STREAM_NON_BLOCKING, and each thread's
+ * per-thread default stream), which the legacy stream waits for and which wait for it, and `last`
+ * the latest of all. */
+static double work = 0; /* seconds per async copy or memset: 0 without GPU_SERDE_SIM_WORK_MS */
+static __thread double per_thread[MAX_GPUS]; /* this thread's per-thread default streams */
+#define NON_BLOCKING 1u
+
+/* Read once, when the driver is loaded (a process that sets it later changes nothing half-way);
+ * a bad value is said on stderr and ignored. */
+__attribute__((constructor)) static void read_work(void) {
+    const char *t = getenv("GPU_SERDE_SIM_WORK_MS");
+    if (!t || !*t) return;
+    char *end;
+    double v = strtod(t, &end);
+    if (end != t && *end == '\0' && isfinite(v) && v >= 0 && v <= 3.6e6) {
+        work = v / 1e3;
+        return;
+    }
+    char shown[41];
+    size_t n = 0;
+    for (; t[n] && n < sizeof shown - 1; n++) shown[n] = (t[n] >= 0x20 && t[n] < 0x7f) ? t[n] : '?';
+    shown[n] = '\0';
+    fprintf(stderr, "gpu_serde simulated driver: GPU_SERDE_SIM_WORK_MS=%s%s is not a number of "
+            "milliseconds from 0 to 3600000: ignored, no work is in flight\n", shown, t[n] ? "..." : "");
+}
+
 static double now_s(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
-}
-
-static double work_s(void) {
-    static double w = -1;
-    if (w < 0) {
-        const char *t = getenv("GPU_SERDE_SIM_WORK_MS");
-        double v = t ? strtod(t, NULL) : 0;
-        w = v > 0 && v < 3.6e6 ? v / 1e3 : 0;
-    }
-    return w;
 }
 
 static void sim_sleep_until(double when) {
@@ -187,6 +209,8 @@ static void sim_sleep_until(double when) {
     struct timespec t = {(time_t)left, (long)((left - (double)(time_t)left) * 1e9)};
     while (nanosleep(&t, &t) != 0) {}
 }
+
+static double later(double a, double b) { return a > b ? a : b; }
 
 /* ---- streams ---- */
 struct sim_stream {
@@ -210,41 +234,62 @@ CUresult sim_stream_check(CUstream s, int *device) {
     return SUCCESS;
 }
 
-/* Where a stream's "done at" lives: its own, or its context's for the default streams (NULL: none). */
-static double *busy_of(CUstream s, CUcontext *ctx) {
-    if (s == NULL || s == LEGACY_STREAM || s == PER_THREAD_STREAM) {
+#define IS_DEFAULT(s) ((s) == NULL || (s) == LEGACY_STREAM || (s) == PER_THREAD_STREAM)
+
+/* Stream s's own done time (NULL: none), its context, and how it waits for others: 1 for the
+ * legacy stream, 2 for a blocking stream, 0 for a non-blocking one. Under sim_lock. */
+static double *own_busy(CUstream s, CUcontext *ctx, int *kind) {
+    if (IS_DEFAULT(s)) {
         CUcontext c = sim_current_ctx();
         *ctx = c;
-        return c ? &c->busy : NULL;
+        if (!c) return NULL;
+        *kind = s == PER_THREAD_STREAM ? 2 : 1;
+        return s == PER_THREAD_STREAM ? &per_thread[c->device] : &c->legacy;
     }
     *ctx = s->ctx;
+    *kind = (s->flags & NON_BLOCKING) ? 0 : 2;
     return s->magic == STREAM_MAGIC ? &s->busy : NULL;
 }
 
-/* When the work queued on stream s (already checked) is done. */
-static double stream_busy(CUstream s) {
+/* When the work queued on s so far is done: its own, and the legacy stream's or the blocking
+ * streams' it waits for. Under sim_lock. */
+static double ready_locked(CUstream s) {
     CUcontext c;
+    int kind = 0;
+    double *own = own_busy(s, &c, &kind);
+    if (!own) return 0;
+    return later(*own, kind == 1 ? c->blocking : kind == 2 ? c->legacy : 0);
+}
+
+/* s also waits for work done at `when`. Under sim_lock. */
+static void after_locked(CUstream s, double when) {
+    CUcontext c;
+    int kind = 0;
+    double *own = own_busy(s, &c, &kind);
+    if (!own) return;
+    *own = later(*own, when);
+    if (kind == 2) c->blocking = later(c->blocking, *own);
+    c->last = later(c->last, *own);
+}
+
+/* When the work queued on stream s (already checked) is done. */
+static double stream_ready(CUstream s) {
     pthread_mutex_lock(&sim_lock);
-    double *b = busy_of(s, &c), when = b ? *b : 0;
+    double when = ready_locked(s);
     pthread_mutex_unlock(&sim_lock);
     return when;
 }
 
-/* The stream waits for work that is done at `when` too. */
-static void stream_after(CUstream s, double when) {
-    CUcontext c;
+void sim_stream_queue(CUstream s) {
+    if (work <= 0) return;
+    double now = now_s();
     pthread_mutex_lock(&sim_lock);
-    double *b = busy_of(s, &c);
-    if (b && *b < when) *b = when;
-    if (c && c->last < when) c->last = when;
+    after_locked(s, later(ready_locked(s), now) + work);
     pthread_mutex_unlock(&sim_lock);
 }
 
-void sim_stream_queue(CUstream s) {
-    double w = work_s();
-    if (w <= 0) return;
-    double now = now_s(), when = stream_busy(s);
-    stream_after(s, (when > now ? when : now) + w);
+void sim_wait_legacy(void) {
+    if (work > 0) sim_sleep_until(stream_ready(LEGACY_STREAM));
 }
 
 CUresult cuStreamCreateWithPriority(CUstream *out, unsigned flags, int priority) {
@@ -273,13 +318,15 @@ CUresult cuStreamDestroy_v2(CUstream s) {
 #define STREAM_OP(name)                                         \
     CUresult r = sim_stream_check(s, NULL);                     \
     if (r) return sim_fail(r, name);
-CUresult cuStreamSynchronize(CUstream s) { STREAM_OP(__func__) sim_sleep_until(stream_busy(s)); return SUCCESS; }
+CUresult cuStreamSynchronize(CUstream s) { STREAM_OP(__func__) sim_sleep_until(stream_ready(s)); return SUCCESS; }
 /* Not an error: no trace for a stream still at work. */
-CUresult cuStreamQuery(CUstream s) { STREAM_OP(__func__) return now_s() < stream_busy(s) ? NOT_READY : SUCCESS; }
-static double event_busy(CUevent e);
+CUresult cuStreamQuery(CUstream s) { STREAM_OP(__func__) return now_s() < stream_ready(s) ? NOT_READY : SUCCESS; }
+static double event_busy_locked(CUevent e);
 CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags) {
     (void)flags; STREAM_OP(__func__)
-    stream_after(s, event_busy(e));
+    pthread_mutex_lock(&sim_lock);
+    after_locked(s, event_busy_locked(e));
+    pthread_mutex_unlock(&sim_lock);
     return SUCCESS;
 }
 CUresult cuStreamGetPriority(CUstream s, int *p) {
@@ -316,7 +363,11 @@ CUresult cuStreamGetCtx(CUstream s, CUcontext *ctx) {
 }
 
 /* ---- events ---- */
-struct sim_event { uint32_t magic; unsigned flags; int recorded; struct timespec t; double busy; };
+struct sim_event {
+    uint32_t magic; unsigned flags; int recorded; struct timespec t;
+    CUcontext ctx; /* where it was made (or opened) */
+    double busy;   /* when the work it was recorded behind is done (under sim_lock) */
+};
 #define EVENT_MAGIC 0x544e5645u
 #define EV_DISABLE_TIMING 2u
 #define EV_INTERPROCESS 4u
@@ -324,8 +375,16 @@ static const char ipc_event_tag[8] = "GSSIMEVT";
 
 static int event_ok(CUevent e) { return e && e->magic == EVENT_MAGIC; }
 
-/* When the work an event was recorded behind is done (0: never recorded, or opened by IPC). */
-static double event_busy(CUevent e) { return event_ok(e) ? e->busy : 0; }
+/* When the work an event was recorded behind is done (0: never recorded, or opened by IPC).
+ * Under sim_lock. */
+static double event_busy_locked(CUevent e) { return event_ok(e) ? e->busy : 0; }
+
+static double event_busy(CUevent e) {
+    pthread_mutex_lock(&sim_lock);
+    double when = event_busy_locked(e);
+    pthread_mutex_unlock(&sim_lock);
+    return when;
+}
 
 CUresult cuEventCreate(CUevent *out, unsigned flags) {
     if (!sim_current_ctx()) return sim_fail(INVALID_CONTEXT, __func__);
@@ -335,6 +394,7 @@ CUresult cuEventCreate(CUevent *out, unsigned flags) {
     if (!e) return sim_fail(OUT_OF_MEMORY, __func__);
     e->magic = EVENT_MAGIC;
     e->flags = flags;
+    e->ctx = sim_current_ctx();
     *out = e;
     return SUCCESS;
 }
@@ -343,21 +403,25 @@ CUresult cuEventRecord(CUevent e, CUstream s) {
     if (!event_ok(e)) return sim_fail(INVALID_HANDLE, __func__);
     CUresult r = sim_stream_check(s, NULL);
     if (r) return sim_fail(r, __func__);
+    CUcontext sc = IS_DEFAULT(s) ? sim_current_ctx() : s->ctx;
+    if (e->ctx && sc != e->ctx) return sim_fail(INVALID_HANDLE, __func__); /* another GPU's */
     clock_gettime(CLOCK_MONOTONIC, &e->t);
     e->recorded = 1;
-    e->busy = stream_busy(s);
+    pthread_mutex_lock(&sim_lock);
+    e->busy = ready_locked(s);
+    pthread_mutex_unlock(&sim_lock);
     return SUCCESS;
 }
 
 CUresult cuEventRecordWithFlags(CUevent e, CUstream s, unsigned flags) { (void)flags; return cuEventRecord(e, s); }
 CUresult cuEventSynchronize(CUevent e) {
     if (!event_ok(e)) return sim_fail(INVALID_HANDLE, __func__);
-    sim_sleep_until(e->busy);
+    sim_sleep_until(event_busy(e));
     return SUCCESS;
 }
 CUresult cuEventQuery(CUevent e) {
     if (!event_ok(e)) return sim_fail(INVALID_HANDLE, __func__);
-    return now_s() < e->busy ? NOT_READY : SUCCESS;
+    return now_s() < event_busy(e) ? NOT_READY : SUCCESS;
 }
 
 CUresult cuEventDestroy_v2(CUevent e) {
@@ -402,6 +466,7 @@ CUresult cuIpcOpenEventHandle(CUevent *out, CUipcEventHandle h) {
     e->magic = EVENT_MAGIC;
     e->flags = EV_INTERPROCESS | EV_DISABLE_TIMING;
     e->recorded = 1;
+    e->ctx = sim_current_ctx();
     *out = e;
     return SUCCESS;
 }

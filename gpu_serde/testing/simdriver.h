@@ -65,6 +65,7 @@ CUcontext sim_current_ctx(void);
 int sim_ctx_device(CUcontext ctx);                         /* -1 if not a context */
 CUresult sim_stream_check(CUstream s, int *device);        /* device of the stream (or current) */
 void sim_stream_queue(CUstream s);                   /* GPU_SERDE_SIM_WORK_MS more work on s (checked) */
+void sim_wait_legacy(void);                          /* a synchronous call: after the legacy stream's work */
 extern pthread_mutex_t sim_lock;
 
 /* simmem.c: every range of simulated device or pinned memory this process can touch */

@@ -105,6 +105,7 @@ class _Region:
         self.deferred: dict[int, Any] = {}  # address -> free's event: closed while held
         self.pending: list[tuple[int, Any]] = []  # (address, event): freed, its stream busy
         self.frees: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()  # from deallocate
+        self.freeing: set[int] = set()  # blocks freed and not yet given back to the allocator
         self.spare: list[Any] = []  # events to record frees with
         self.recording = threading.Lock()
         self.pid = os.getpid()  # a forked child's copy frees nothing: the region is the parent's
@@ -195,7 +196,13 @@ class _Region:
             handle = int(stream.handle) if stream is not None else self.default_stream
             _driver.check("cuEventRecord", driver.cuEventRecord(event, handle))
         self.streams.pop(ptr, None)
+        self.freeing.add(ptr)
         self.frees.put((ptr, event))
+
+    def handed_out(self, ptr: int) -> bool:
+        """True when ``ptr`` is a block's address that :meth:`take` handed out and that was not
+        freed since. Takes no lock (it may run during garbage collection)."""
+        return self.ranges.handed_out(ptr - self.base) and ptr not in self.freeing
 
     def _drain(self) -> None:
         """Move queued frees on (to deferred while held, else to pending); call with the lock."""
@@ -228,6 +235,7 @@ class _Region:
                     keep.append((ptr, event))
                     continue
                 self.ranges.give(ptr - self.base)
+                self.freeing.discard(ptr)
                 if event is not None:
                     self.spare.append(event)
         self.pending = keep
@@ -373,7 +381,7 @@ class ArenaMemoryResource(lifetime.DeviceMemory, MemoryResource):
             ArenaFullError: no free block is that large (the message says what is free and what
                 size to create the resource with).
             TypeError, ValueError: ``size`` is not a positive int, or ``stream`` not a
-                ``Stream``.
+                ``Stream`` of the arena's device.
         """
         if not isinstance(size, int) or isinstance(size, bool):
             raise TypeError(f"allocate(size) takes an int, not {type(size).__name__}")
@@ -384,6 +392,12 @@ class ArenaMemoryResource(lifetime.DeviceMemory, MemoryResource):
                 f"allocate(stream=...): a cuda.core Stream or None, not {type(stream).__name__}"
             )
         r = self._r
+        if stream is not None and stream.device.device_id != r.ordinal:
+            raise ValueError(
+                f"allocate(stream=...): a stream of device {stream.device.device_id}, but this "
+                f"arena's memory is on device {r.ordinal} (GPU {r.uuid}): use a stream of its "
+                "device (arena.device.create_stream())"
+            )
         ptr = r.take(size)
         if ptr is None:
             raise self._full(size)
@@ -394,14 +408,29 @@ class ArenaMemoryResource(lifetime.DeviceMemory, MemoryResource):
                 return Buffer.from_handle(ptr, size, mr=self, stream=s)
         except Exception:
             r.streams.pop(ptr, None)
+            r.freeing.add(ptr)
             r.frees.put((ptr, None))
             raise
 
     def deallocate(self, ptr: Any, size: int, stream: Any = None) -> None:
         """Give a buffer's block back, ordered after the work on ``stream``: it is reused once
-        that work is done, and, if it was sent, once every importer released it. Never raises
-        (it may run during garbage collection, in any thread)."""
-        self._r.freed(int(ptr), stream)
+        that work is done, and, if it was sent, once every importer released it. A buffer's
+        ``close`` calls it (it may run during garbage collection, in any thread): call it
+        yourself only for a pointer no ``Buffer`` owns any more.
+
+        Raises:
+            ValueError: ``ptr`` is not a block this arena handed out, or was freed already
+                (nothing is freed: the arena stays as it was).
+        """
+        r = self._r
+        address = int(ptr)
+        if os.getpid() == r.pid and not r.handed_out(address):
+            raise ValueError(
+                f"ArenaMemoryResource.deallocate({address:#x}): not a block this arena handed "
+                "out, or one freed already (a Buffer's close frees its block: do not also call "
+                "deallocate); nothing was freed"
+            )
+        r.freed(address, stream)
 
     def _full(self, asked: int) -> ArenaFullError:
         r, stats = self._r, self._r.stats()
@@ -499,7 +528,8 @@ class ArenaMemoryResource(lifetime.DeviceMemory, MemoryResource):
     def held_bytes(self) -> int:
         """Bytes in blocks kept for receivers: sent and not yet let go (a receiver holds them,
         the grace period after their last release has not passed, or a payload sent has not been
-        received yet), whether this process still has the buffer open or closed it."""
+        received yet: kept until one is, or until this process exits), whether this process
+        still has the buffer open or closed it."""
         return self._r.stats()["held"]
 
     @property

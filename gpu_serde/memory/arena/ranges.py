@@ -80,6 +80,11 @@ class Ranges:
             self._used += need
             return offset
 
+    def handed_out(self, offset: int) -> bool:
+        """True when a range handed out starts at ``offset`` (one dictionary lookup, without
+        the lock: safe during garbage collection)."""
+        return offset in self._taken
+
     def give(self, offset: int) -> int:
         """Take back the range handed out at ``offset``, merged with free neighbours; returns its
         length.
