@@ -27,6 +27,9 @@ def test_the_demo_shows_one_uuid_and_hands_the_buffer_on_simulated_gpus(engine):
     assert out.count("pattern verified, no copy") == 3  # worker-1 to each other GPU worker
     assert f"{engine}: the same UUID everywhere; buffer verified on 3 workers;" in out
     assert f"routed with gpu_serde.{engine}.on()" in out  # its rows count in the verdict
+    rows = [line.split() for line in out.splitlines() if line.startswith("worker-")]
+    assert len({row[2] for row in rows}) > 1  # the workers number that GPU differently
+    assert len({row[3] for row in rows}) == 1  # and all resolved it to the same one
 
 
 def test_a_failed_or_wrong_hand_off_is_reported_as_failed_never_as_verified(capsys):

@@ -406,11 +406,19 @@ def _run_ray(
             )
         gpu_serde.ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
         task = ray.remote(max_retries=0)(_report)
-        _say("Sending the Device to a task on every node (num_gpus = all of the node's GPUs) ...")
+        _say(
+            "Sending the Device to a task on every node (num_gpus = all of the node's GPUs, in "
+            "the node's own order: RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES, as RL stacks "
+            "set it) ..."
+        )
+        # Ray would set each task's CUDA_VISIBLE_DEVICES to the GPUs it assigns, in one order on
+        # every node; with NOSET each node keeps its own (each numbers the GPUs differently)
+        noset = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
         refs = {}
         for name in layout:
             count = _gpus(layout, name)
-            refs[name] = task.options(num_gpus=count, resources={name: 1}).remote(send)
+            options = {"num_gpus": count, "resources": {name: 1}, "runtime_env": noset}
+            refs[name] = task.options(**options).remote(send)
         rows = [(n, ray.get(r, timeout=120)) for n, r in refs.items()]
         rows += ray_rows(send)
         hops = _handoff_ray(layout, send) if handoff else None
