@@ -229,6 +229,20 @@ def test_deallocate_refuses_a_pointer_it_did_not_hand_out_or_freed_already(gpu, 
     b.close()
 
 
+def whole_again(arena):
+    """The whole arena as one buffer, once its block comes back (polled; fails after
+    ``wait_until``'s timeout)."""
+    again: list = []
+
+    def reused() -> bool:
+        with contextlib.suppress(ArenaFullError):
+            again.append(arena.allocate(arena.size))
+        return bool(again)
+
+    assert wait_until(reused), "the block never came back"
+    return again[0]
+
+
 def test_a_block_an_importer_holds_is_reused_only_after_it_closed_it(gpu, tier, monkeypatch):
     arena = ArenaMemoryResource(gpu, tier.size)
     buf = arena.allocate(arena.size)
@@ -244,15 +258,8 @@ def test_a_block_an_importer_holds_is_reused_only_after_it_closed_it(gpu, tier, 
         assert "GPU_SERDE_RELEASE_GRACE_S" in str(info.value)  # why it may outlast the close
         assert "send one buffer again" in str(info.value)  # and what a sending loop can do
         assert c.run(drop, None)  # the child closes it (and lives on)
-        again: list = []
-
-        def reused() -> bool:
-            with contextlib.suppress(ArenaFullError):
-                again.append(arena.allocate(arena.size))
-            return bool(again)
-
-        assert wait_until(reused)
-    assert int(again[0].handle) == where
+        again = whole_again(arena)
+    assert int(again.handle) == where
     assert arena.held_bytes == 0  # let go: allocated again, and held for no one
 
 
@@ -556,14 +563,7 @@ def test_a_buffer_closed_behind_simulated_work_comes_back_only_once_that_work_is
         got = c.run(close_behind_simulated_work, buf)
         buf.close()
         assert got["queued at the close"]  # else the test means nothing
-        again: list = []
-
-        def reused() -> bool:
-            with contextlib.suppress(ArenaFullError):
-                again.append(arena.allocate(arena.size))
-            return bool(again)
-
-        assert wait_until(reused)
+        again = whole_again(arena)
         back = time.monotonic()  # one clock for both processes (CLOCK_MONOTONIC)
     assert back >= got["began"] + WORK_MS / 1e3  # not before the child's stream was done
-    again[0].close()
+    again.close()
