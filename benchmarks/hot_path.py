@@ -248,7 +248,7 @@ def main() -> None:
             "arena, kept": case("arena", keep=True),
             "arena, kept, no note": case("arena", keep=True),
         }
-        total = (args.rounds + 1) * args.per_round  # the what-if's buffers, warm-up included
+        total = (args.rounds + 1) * args.per_round + 3  # the what-if's buffers, warm-up included
 
         def fill() -> None:
             ray.get([receiver.drop_kept.remote(), receiver.without_note.remote(False)])
