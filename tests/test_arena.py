@@ -528,7 +528,7 @@ def test_a_received_buffer_closed_on_a_busy_stream_comes_back_only_after_that_st
         b.close()
 
 
-WORK_MS = 1500  # the simulated work a memset stands for in the next test's child
+WORK_MS = 800  # the simulated work a memset stands for in the next test's child
 
 
 def close_behind_simulated_work(buf) -> dict:

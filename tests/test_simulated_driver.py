@@ -325,7 +325,7 @@ whole = waited(driver.cuCtxSynchronize)
 report(idle=idle, first=first, synced=synced, after=after, legacy=legacy, copied=copied,
        byte=host[0], whole=whole)
 """
-WORK_MS = 1000
+WORK_MS = 500
 
 
 def test_simulated_work_keeps_its_stream_and_events_busy_until_it_is_done():
@@ -354,7 +354,7 @@ def test_without_simulated_work_every_stream_is_idle_at_once():
     assert got["legacy"] is False and got["byte"] == 8
 
 
-@pytest.mark.parametrize("value", ["abc", "-5", "inf", "nan", "5ms", "3600001", "1\x1b[31m"])
+@pytest.mark.parametrize("value", ["abc", "-5", "nan", "5ms", "3600001", "1\x1b[31m"])
 def test_a_bad_simulated_work_value_is_said_and_ignored(value):
     done = subprocess.run(
         [sys.executable, "-c", WORK_BAD],
