@@ -272,8 +272,9 @@ static void after_locked(CUstream s, double when) {
     c->last = later(c->last, *own);
 }
 
-/* When the work queued on stream s (already checked) is done. */
+/* When the work queued on stream s (already checked) is done (0 without work in flight: no lock). */
 static double stream_ready(CUstream s) {
+    if (work <= 0) return 0;
     pthread_mutex_lock(&sim_lock);
     double when = ready_locked(s);
     pthread_mutex_unlock(&sim_lock);
@@ -324,6 +325,7 @@ CUresult cuStreamQuery(CUstream s) { STREAM_OP(__func__) return now_s() < stream
 static double event_busy_locked(CUevent e);
 CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags) {
     (void)flags; STREAM_OP(__func__)
+    if (work <= 0) return SUCCESS; /* nothing is ever in flight */
     pthread_mutex_lock(&sim_lock);
     after_locked(s, event_busy_locked(e));
     pthread_mutex_unlock(&sim_lock);
@@ -380,6 +382,7 @@ static int event_ok(CUevent e) { return e && e->magic == EVENT_MAGIC; }
 static double event_busy_locked(CUevent e) { return event_ok(e) ? e->busy : 0; }
 
 static double event_busy(CUevent e) {
+    if (work <= 0) return 0;
     pthread_mutex_lock(&sim_lock);
     double when = event_busy_locked(e);
     pthread_mutex_unlock(&sim_lock);
@@ -407,9 +410,11 @@ CUresult cuEventRecord(CUevent e, CUstream s) {
     if (e->ctx && sc != e->ctx) return sim_fail(INVALID_HANDLE, __func__); /* another GPU's */
     clock_gettime(CLOCK_MONOTONIC, &e->t);
     e->recorded = 1;
-    pthread_mutex_lock(&sim_lock);
-    e->busy = ready_locked(s);
-    pthread_mutex_unlock(&sim_lock);
+    if (work > 0) {
+        pthread_mutex_lock(&sim_lock);
+        e->busy = ready_locked(s);
+        pthread_mutex_unlock(&sim_lock);
+    }
     return SUCCESS;
 }
 
