@@ -16,11 +16,10 @@ interleaved round by round, each round ``--per-round`` hand-offs, medians over r
 - ``arena``: a new 1 MiB ``ArenaMemoryResource`` buffer, closed by the receiver (its release in the
   background), as ``handoff_table.py`` sends it;
 - ``arena, kept``: the same, but the receiver keeps what it received (no release traffic);
-- ``arena, kept, no note``: a what-if, not a mode anyone can run: the same, with the receiver's
-  acquire not telling the exporter (its note unsent; the lock is still taken). What it saves over
-  ``arena, kept`` bounds what a hold with no note at all could gain: the note's send and the
-  exporter's thread woken to count it. Its blocks are never let go (nothing claimed them): they
-  come from an arena of their own, sized for the run.
+- ``arena, kept, note sent``: the same, with the receiver's acquire notes sent on its connection
+  to the exporter's broker, as before the notes ring (a thread of the exporter woken to count
+  each); patched in the receiving actor only, not a mode anyone can choose. What ``arena, kept``
+  saves over it is what the ring saves.
 
 Inside the actors, over the same rounds: the sender's ``pickle.dumps`` of a new buffer, the
 receiver's ``pickle.loads`` and ``close``. "Left" is the arena's cost over a plain object minus
@@ -63,13 +62,12 @@ class Sender:
         pad = size - len(pickle.dumps(types.SimpleNamespace(b=b"")))
         self.plain = types.SimpleNamespace(b=bytes(max(0, pad)))
         self.ready: list[Any] = []
-        self.unclaimed: Any = None  # the what-if's arena (its blocks are never let go)
 
-    def _new(self, arena: Any = None) -> Any:
+    def _new(self) -> Any:
         deadline = time.monotonic() + 30
         while True:
             try:
-                return (arena or self.arena).allocate(BUF)
+                return self.arena.allocate(BUF)
             except Exception:  # released blocks come back in the background
                 if time.monotonic() > deadline:
                     raise
@@ -78,14 +76,6 @@ class Sender:
     def fill(self, n: int) -> None:
         """Allocate the next ``n`` buffers ahead (untimed, as ``handoff_table.py`` prepares)."""
         self.ready = [self._new() for _ in range(n)]
-
-    def fill_unclaimed(self, n: int, total: int) -> None:
-        """As :meth:`fill`, from the what-if's own arena (made once, for ``total`` buffers)."""
-        import gpu_serde
-
-        if self.unclaimed is None:
-            self.unclaimed = gpu_serde.ArenaMemoryResource(self.arena.device, total * BUF)
-        self.ready = [self._new(self.unclaimed) for _ in range(n)]
 
     def make(self, case: str) -> Any:
         if case == "int":
@@ -187,21 +177,20 @@ class Receiver:
             buf.close()
         self.kept.clear()
 
-    def without_note(self, on: bool) -> None:
-        """The what-if: from now on (on) an acquire takes its lock but sends the exporter no
-        note, or (off) sends it again. gpu_serde's own module, in this actor only."""
-        from gpu_serde.memory.broker import client
+    def notes_sent(self, on: bool) -> None:
+        """From now on (on) an acquire's note goes on the connection, as before the notes ring
+        (its ring refuses it, as a full one does), or (off) in the ring again. gpu_serde's own
+        class, in this actor only."""
+        from gpu_serde.memory.broker.ring import NotesRing
 
-        if not hasattr(self, "note"):
-            self.note = client._note
-        original = self.note
+        if not hasattr(self, "put"):
+            self.put = NotesRing.put
+        original = self.put
 
-        def unsent(link: Any, address: str, op: bytes, *args: Any, **kwargs: Any) -> bool:
-            if op == client.ACQUIRE:
-                return True
-            return bool(original(link, address, op, *args, **kwargs))
+        def refused(ring: Any, token: bytes, sends: int) -> bool:
+            return False
 
-        client._note = unsent if on else original  # type: ignore[assignment]
+        NotesRing.put = refused if on else original  # type: ignore[method-assign]
 
     def time_loads(self, payloads: list[bytes]) -> tuple[float, float]:
         """Medians of ``pickle.loads`` and ``close`` over ``payloads``."""
@@ -246,21 +235,20 @@ def main() -> None:
             "bytes": case("bytes"),
             "arena": case("arena"),
             "arena, kept": case("arena", keep=True),
-            "arena, kept, no note": case("arena", keep=True),
+            "arena, kept, note sent": case("arena", keep=True),
         }
-        total = (args.rounds + 1) * args.per_round + 3  # the what-if's buffers, warm-up included
 
         def fill() -> None:
-            ray.get([receiver.drop_kept.remote(), receiver.without_note.remote(False)])
+            ray.get([receiver.drop_kept.remote(), receiver.notes_sent.remote(False)])
             ray.get(sender.fill.remote(args.per_round))
 
-        def fill_unclaimed() -> None:
-            ray.get([receiver.drop_kept.remote(), receiver.without_note.remote(True)])
-            ray.get(sender.fill_unclaimed.remote(args.per_round, total))
+        def fill_sent() -> None:
+            ray.get([receiver.drop_kept.remote(), receiver.notes_sent.remote(True)])
+            ray.get(sender.fill.remote(args.per_round))
 
         cases["arena"].setup = fill  # type: ignore[attr-defined]
         cases["arena, kept"].setup = fill  # type: ignore[attr-defined]
-        cases["arena, kept, no note"].setup = fill_unclaimed  # type: ignore[attr-defined]
+        cases["arena, kept, note sent"].setup = fill_sent  # type: ignore[attr-defined]
         for fn in cases.values():  # warm: actors started, region mapped, connections open
             if setup := getattr(fn, "setup", None):
                 setup()
@@ -269,7 +257,7 @@ def main() -> None:
         samples = _common.interleaved_samples(
             cases, rounds=args.rounds, per_round=args.per_round, alternate=True
         )
-        ray.get([receiver.drop_kept.remote(), receiver.without_note.remote(False)])
+        ray.get([receiver.drop_kept.remote(), receiver.notes_sent.remote(False)])
         n = args.rounds * 3
         dumps = ray.get(sender.time_dumps.remote(n))
         loads_s, close_s = [], []
@@ -295,11 +283,11 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in samples.items()}
     over = {
         k: _common.paired_ci(samples, k, "int")
-        for k in ("plain", "bytes", "arena", "arena, kept", "arena, kept, no note")
+        for k in ("plain", "bytes", "arena", "arena, kept", "arena, kept, note sent")
     }
     vs_plain = _common.paired_ci(samples, "arena", "plain")
     kept_vs_plain = _common.paired_ci(samples, "arena, kept", "plain")
-    note = _common.paired_ci(samples, "arena, kept", "arena, kept, no note")
+    note = _common.paired_ci(samples, "arena, kept, note sent", "arena, kept")
     print(f"# an arena hand-off in Ray, split ({gpus}; {_common.machine()})")
     print(f"int round trip: {med['int'] * 1e3:.3f} ms; medians over {args.rounds} rounds\n")
     if "simulated" in gpus:
@@ -308,8 +296,8 @@ def main() -> None:
         "Rows: plain, a pickled object the size of an arena buffer's payload (Ray's own cost for "
         "any pickled object); bytes, bytes of that size (Ray carries them raw, unpickled); arena, "
         "a new 1 MiB ArenaMemoryResource buffer the receiver closes; arena, kept, the same kept "
-        "by the receiver (no release traffic); arena, kept, no note, a what-if: the same with the "
-        "receiver's acquire sending the exporter no note (not a mode anyone can run).\n"
+        "by the receiver (no release traffic); arena, kept, note sent, the same with the "
+        "receiver's acquire notes sent on its connection, as before the notes ring.\n"
     )
     print("| case | adds to the int's round trip (95% interval) |")
     print("|---|---|")
@@ -327,8 +315,8 @@ def main() -> None:
         f"({kept_vs_plain[1] * 1e3:.3f} to {kept_vs_plain[2] * 1e3:.3f})"
     )
     print(
-        f"- the acquire's note (kept, minus the what-if without it): {note[0] * 1e3:.3f} ms "
-        f"({note[1] * 1e3:.3f} to {note[2] * 1e3:.3f}): the most a hold with no note could save"
+        f"- what the notes ring saves (kept with the note sent, minus kept): {note[0] * 1e3:.3f} "
+        f"ms ({note[1] * 1e3:.3f} to {note[2] * 1e3:.3f})"
     )
     print(
         f"- gpu_serde's own Python, in the actors: dumps {dumps * 1e6:.0f} us, loads "
@@ -358,7 +346,7 @@ def main() -> None:
         ("loads", loads),
         ("close", close),
         ("left", left),
-        ("the acquire's note", note[0]),
+        ("the ring saves", note[0]),
         ("reduce in place", dumps_in),
         ("rebuild in place", loads_in),
     ):

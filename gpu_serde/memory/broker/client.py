@@ -6,9 +6,11 @@ over it, one at a time. The broker checks nothing of what the connection says ab
 is a **lock** in the broker's holds file (:mod:`gpu_serde.memory.broker.holdsfile`), which this
 process fetches once per broker (its own open file description of it), so taking a hold
 (:func:`acquire`) and giving it back (:func:`release`) need no answer from the exporter: a lock,
-a look at the table, and a note sent ahead on the connection (the exporter counts notes to know
-which process holds what, for :meth:`~gpu_serde.memory.broker.Broker.holders`; the locks are what
-it obeys). The kernel releases the locks when this process dies, however it dies.
+a look at the table, and a note (the exporter counts notes to know which process holds what, for
+:meth:`~gpu_serde.memory.broker.Broker.holders`; the locks are what it obeys). An acquire's note
+goes in the connection's notes ring (:mod:`~gpu_serde.memory.broker.ring`), which the exporter
+reads when it needs to; a release's is sent ahead on the connection. The kernel releases the
+locks when this process dies, however it dies.
 
 The holds file stays open while this process holds anything there; the connection may break
 without losing a hold. This process closes a connection (and the holds file with it) only when
@@ -20,7 +22,8 @@ between reading a request and answering it). A new connection first notes again 
 process has (the broker forgot them with the old one).
 
 The client checks the broker's uid (abstract socket names carry no permissions) and gives up after
-a timeout (1 s by default) instead of hanging. The wire protocol, both sides: a request is
+a timeout (1 s by default) instead of hanging. The wire protocol, both sides: a connection's
+first message is :data:`RING` with the ring's descriptor (no answer); a request is
 :data:`REQUEST_BYTES` bytes (an operation, a token, and 16 bytes: the identity a fetch expects,
 which the broker checks; for an acquire's note, the count of sends again it read in the table);
 descriptors arrive close-on-exec. A fetch is answered with one byte (:data:`OK` with a
@@ -47,6 +50,7 @@ from gpu_serde.errors import ExporterGoneError, HandoffError, TokenRefusedError
 from gpu_serde.memory.background import Background
 from gpu_serde.memory.broker import holdsfile
 from gpu_serde.memory.broker.holdsfile import HoldsFile, watch_forks
+from gpu_serde.memory.broker.ring import NotesRing
 
 TOKEN_BYTES = 16
 CHECK_BYTES = 16
@@ -56,6 +60,7 @@ FETCH = b"F"
 HOLDS_FILE = b"H"
 ACQUIRE = b"A"
 RELEASE = b"R"
+RING = b"C"  # the connection's first message: its notes ring comes with it (no answer)
 OK = b"K"
 NO = b"N"
 MISMATCH = b"M"
@@ -102,11 +107,12 @@ class _Link:
     makes its requests one at a time, its view of the broker's holds file (None until the first
     hold), and the holds it carries (token -> how many)."""
 
-    __slots__ = ("file", "held", "holds", "lock", "locked", "pending", "sock", "used")
+    __slots__ = ("file", "held", "holds", "lock", "locked", "pending", "ring", "sock", "used")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.sock: socket.socket | None = None
+        self.ring: NotesRing | None = None  # the connection's: its acquire notes (None: sent)
         self.file: HoldsFile | None = None
         self.held: dict[bytes, int] = {}
         # sequence number -> the token its lock was taken for, and the sends it read then
@@ -122,9 +128,12 @@ class _Link:
         if self.sock is not None:
             with contextlib.suppress(OSError):
                 self.sock.close()
+        if self.ring is not None:
+            self.ring.close()
         if self.file is not None:
             self.file.close()
-        self.sock, self.file, self.held, self.locked, self.holds = None, None, {}, {}, 0
+        self.sock, self.ring, self.file = None, None, None
+        self.held, self.locked, self.holds = {}, {}, 0
         self.pending.clear()
 
 
@@ -145,6 +154,8 @@ def _forget_after_fork() -> None:
         if link.sock is not None:
             with contextlib.suppress(OSError):
                 link.sock.close()
+        if link.ring is not None:
+            link.ring.close()
         if link.file is not None:
             link.file.close()
 
@@ -277,10 +288,27 @@ def _recv_answer(sock: socket.socket) -> tuple[bytes, list[int]]:
 
 
 def _open(link: _Link, address: str, deadline: float) -> None:
-    """Connect ``link`` (its lock held), and note again over the new connection every hold this
-    process has (the broker dropped its count with the old one; the locks never went)."""
+    """Connect ``link`` (its lock held), give the broker the connection's notes ring, and note
+    again over the new connection every hold this process has (the broker dropped its count with
+    the old one; the locks never went). Without a ring (none could be made) acquires' notes go
+    on the connection."""
     link.sock = _connect(address, deadline)
     link.used = time.monotonic()
+    try:
+        ring, fd = NotesRing.create()
+    except OSError:
+        pass  # (no memory file to be had: the notes go on the connection)
+    else:
+        try:
+            link.sock.settimeout(max(0.01, deadline - time.monotonic()))
+            socket.send_fds(link.sock, [RING + bytes(REQUEST_BYTES - 1)], [fd], NOSIGNAL)
+        except OSError:
+            ring.close()
+            _hang_up(link)
+            raise
+        finally:
+            os.close(fd)
+        link.ring = ring
     notes = b"".join(
         (ACQUIRE + token + sends.to_bytes(8, "big") + bytes(CHECK_BYTES - 8)) * link.held[token]
         for token, sends in link.locked.values()
@@ -347,6 +375,9 @@ def _hang_up(link: _Link) -> None:
         with contextlib.suppress(OSError):
             link.sock.close()
         link.sock = None
+    if link.ring is not None:  # the broker reads what it holds when it sees the connection end
+        link.ring.close()
+        link.ring = None
     link.pending.clear()  # superseded: a new connection notes the holds as they stand
 
 
@@ -579,6 +610,20 @@ def _note(
     return False
 
 
+def _note_acquire(link: _Link, address: str, token: bytes, sends: int, timeout: float) -> None:
+    """Note an acquire of ``token`` (the payload's count of ``sends`` again) over ``link`` (its
+    lock held): in the connection's ring, which the exporter reads when it needs to (nothing
+    sent, no thread of the exporter woken); on the connection itself when the ring is full,
+    there is none, or the connection must be made (a new one notes every hold there)."""
+    _retire_if_idle(link)
+    ring = link.ring
+    if link.sock is not None and ring is not None and ring.put(token, sends):
+        link.used = time.monotonic()
+        return
+    echo = sends.to_bytes(8, "big") + bytes(CHECK_BYTES - 8)  # which payload it was
+    _note(link, address, ACQUIRE, token, echo, timeout)
+
+
 def _holds_file(link: _Link, address: str, deadline: float, timeout: float) -> HoldsFile:
     """The broker's holds file, as this process sees it: fetched over ``link`` the first time."""
     if link.file is not None:
@@ -693,8 +738,7 @@ def acquire(address: str, token: bytes, block: bytes = NO_CHECK, *, timeout: flo
             if first and link.file is file:
                 holdsfile.unlock(file.fd, seq)
             raise
-        echo = sends.to_bytes(8, "big") + bytes(CHECK_BYTES - 8)  # which payload it was
-        _note(link, address, ACQUIRE, token, echo, timeout)
+        _note_acquire(link, address, token, sends, timeout)
         link.locked[seq] = (token, sends)
         link.held[token] = link.held.get(token, 0) + 1
         link.holds += 1
