@@ -16,10 +16,11 @@ interleaved round by round, each round ``--per-round`` hand-offs, medians over r
 - ``arena``: a new 1 MiB ``ArenaMemoryResource`` buffer, closed by the receiver (its release in the
   background), as ``handoff_table.py`` sends it;
 - ``arena, kept``: the same, but the receiver keeps what it received (no release traffic);
-- ``arena, kept, note sent``: the same, with the receiver's acquire notes sent on its connection
-  to the exporter's broker, as before the notes ring (a thread of the exporter woken to count
-  each); patched in the receiving actor only, not a mode anyone can choose. What ``arena, kept``
-  saves over it is what the ring saves.
+- ``arena, notes sent`` and ``arena, kept, notes sent``: the same two, with the receiver's notes
+  (its acquires and releases) sent on its connection to the exporter's broker, as before the
+  notes ring (a thread of the exporter woken to count each); patched in the receiving actor
+  only, not a mode anyone can choose. What each case saves over its ``notes sent`` twin is what
+  the ring saves.
 
 Inside the actors, over the same rounds: the sender's ``pickle.dumps`` of a new buffer, the
 receiver's ``pickle.loads`` and ``close``. "Left" is the arena's cost over a plain object minus
@@ -178,19 +179,21 @@ class Receiver:
         self.kept.clear()
 
     def notes_sent(self, on: bool) -> None:
-        """From now on (on) an acquire's note goes on the connection, as before the notes ring
-        (its ring refuses it, as a full one does), or (off) in the ring again. gpu_serde's own
-        class, in this actor only."""
-        from gpu_serde.memory.broker.ring import NotesRing
+        """From now on (on) this actor's notes go on the connection, as before the notes ring,
+        or (off) in the ring again, on new connections (a connection's notes must not go back
+        from the socket to its ring: the exporter may read the ring first). gpu_serde's own
+        module, in this actor only."""
+        from gpu_serde.memory.broker import client
 
         if not hasattr(self, "put"):
-            self.put = NotesRing.put
+            self.put = client._put_note
         original = self.put
 
-        def refused(ring: Any, token: bytes, sends: int) -> bool:
+        def refused(*args: Any) -> bool:
             return False
 
-        NotesRing.put = refused if on else original  # type: ignore[method-assign]
+        client.disconnect()  # (what holds nothing: the kept buffers were closed before)
+        client._put_note = refused if on else original  # type: ignore[assignment]
 
     def time_loads(self, payloads: list[bytes]) -> tuple[float, float]:
         """Medians of ``pickle.loads`` and ``close`` over ``payloads``."""
@@ -234,8 +237,9 @@ def main() -> None:
             "plain": case("plain"),
             "bytes": case("bytes"),
             "arena": case("arena"),
+            "arena, notes sent": case("arena"),
             "arena, kept": case("arena", keep=True),
-            "arena, kept, note sent": case("arena", keep=True),
+            "arena, kept, notes sent": case("arena", keep=True),
         }
 
         def fill() -> None:
@@ -247,8 +251,9 @@ def main() -> None:
             ray.get(sender.fill.remote(args.per_round))
 
         cases["arena"].setup = fill  # type: ignore[attr-defined]
+        cases["arena, notes sent"].setup = fill_sent  # type: ignore[attr-defined]
         cases["arena, kept"].setup = fill  # type: ignore[attr-defined]
-        cases["arena, kept, note sent"].setup = fill_sent  # type: ignore[attr-defined]
+        cases["arena, kept, notes sent"].setup = fill_sent  # type: ignore[attr-defined]
         for fn in cases.values():  # warm: actors started, region mapped, connections open
             if setup := getattr(fn, "setup", None):
                 setup()
@@ -281,13 +286,11 @@ def main() -> None:
         ray.shutdown()
 
     med = {k: statistics.median(v) for k, v in samples.items()}
-    over = {
-        k: _common.paired_ci(samples, k, "int")
-        for k in ("plain", "bytes", "arena", "arena, kept", "arena, kept, note sent")
-    }
+    over = {k: _common.paired_ci(samples, k, "int") for k in cases if k != "int"}
     vs_plain = _common.paired_ci(samples, "arena", "plain")
     kept_vs_plain = _common.paired_ci(samples, "arena, kept", "plain")
-    note = _common.paired_ci(samples, "arena, kept, note sent", "arena, kept")
+    ring_closed = _common.paired_ci(samples, "arena, notes sent", "arena")
+    ring_kept = _common.paired_ci(samples, "arena, kept, notes sent", "arena, kept")
     print(f"# an arena hand-off in Ray, split ({gpus}; {_common.machine()})")
     print(f"int round trip: {med['int'] * 1e3:.3f} ms; medians over {args.rounds} rounds\n")
     if "simulated" in gpus:
@@ -296,8 +299,8 @@ def main() -> None:
         "Rows: plain, a pickled object the size of an arena buffer's payload (Ray's own cost for "
         "any pickled object); bytes, bytes of that size (Ray carries them raw, unpickled); arena, "
         "a new 1 MiB ArenaMemoryResource buffer the receiver closes; arena, kept, the same kept "
-        "by the receiver (no release traffic); arena, kept, note sent, the same with the "
-        "receiver's acquire notes sent on its connection, as before the notes ring.\n"
+        "by the receiver (no release traffic); notes sent, the same with the receiver's notes "
+        "sent on its connection, as before the notes ring.\n"
     )
     print("| case | adds to the int's round trip (95% interval) |")
     print("|---|---|")
@@ -315,8 +318,10 @@ def main() -> None:
         f"({kept_vs_plain[1] * 1e3:.3f} to {kept_vs_plain[2] * 1e3:.3f})"
     )
     print(
-        f"- what the notes ring saves (kept with the note sent, minus kept): {note[0] * 1e3:.3f} "
-        f"ms ({note[1] * 1e3:.3f} to {note[2] * 1e3:.3f})"
+        f"- what the notes ring saves (notes sent, minus the ring): closed "
+        f"{ring_closed[0] * 1e3:.3f} ms ({ring_closed[1] * 1e3:.3f} to "
+        f"{ring_closed[2] * 1e3:.3f}), kept {ring_kept[0] * 1e3:.3f} ms "
+        f"({ring_kept[1] * 1e3:.3f} to {ring_kept[2] * 1e3:.3f})"
     )
     print(
         f"- gpu_serde's own Python, in the actors: dumps {dumps * 1e6:.0f} us, loads "
@@ -346,7 +351,8 @@ def main() -> None:
         ("loads", loads),
         ("close", close),
         ("left", left),
-        ("the ring saves", note[0]),
+        ("the ring saves, closed", ring_closed[0]),
+        ("the ring saves, kept", ring_kept[0]),
         ("reduce in place", dumps_in),
         ("rebuild in place", loads_in),
     ):

@@ -1,6 +1,7 @@
-"""The notes ring: an acquire tells the exporter in shared memory, which the exporter reads when it
-needs to; it is counted all the same, survives its importer's death, overflows onto the
-connection, and a peer's ring that is not one ends only that peer's connection."""
+"""The notes ring: an importer tells the exporter of its acquires and releases in shared memory,
+which the exporter reads when it needs to; they are counted all the same and in order, survive
+the importer's death, overflow onto the connection, and a peer's ring that is not one ends only
+that peer's connection."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import time
 
 import pytest
 
-from gpu_serde.memory.broker import Broker, acquire, disconnect, release, ring
+from gpu_serde.memory.broker import Broker, acquire, disconnect, release, ring, server
 from gpu_serde.memory.broker import client as broker_client
 from gpu_serde.memory.broker.client import FETCH, NO, RING
 
@@ -60,7 +61,39 @@ def test_an_acquire_is_written_in_the_ring_and_counted_when_the_exporter_looks()
         assert b.holders() == {os.getpid(): 1}  # read when asked
         assert not b.unclaimed(token)
         assert release(b.address, token)
-        assert wait_for(lambda: b.holders() == {})
+        assert link.ring.written() == 2  # nor for the release
+        assert b.holders() == {}
+    finally:
+        b.close()
+        disconnect()
+
+
+def test_a_release_in_the_ring_lets_its_object_go_at_the_exporters_next_look(monkeypatch):
+    monkeypatch.setattr(server, "LOOK_S", 60.0)  # the release thread would look only in a minute
+    monkeypatch.setattr(server, "LOOK_MAX_S", 60.0)
+    b = Broker()
+    let_go: list[str] = []
+    try:
+        token = b.hold("a block", let_go.append, block=BLOCK, grace=0)
+        acquire(b.address, token, BLOCK)
+        assert release(b.address, token)
+        time.sleep(0.3)
+        assert let_go == []  # read by no one yet: nothing woke the exporter
+        b.look()  # as an arena with no room does
+        assert let_go == ["a block"]
+    finally:
+        b.close()
+        disconnect()
+
+
+def test_the_release_thread_reads_the_rings_while_it_holds_anything():
+    b = Broker()
+    let_go: list[str] = []
+    try:
+        token = b.hold("a block", let_go.append, block=BLOCK, grace=0)
+        acquire(b.address, token, BLOCK)
+        assert release(b.address, token)
+        assert wait_for(lambda: let_go == ["a block"], timeout=2 * server.LOOK_MAX_S + 1)
     finally:
         b.close()
         disconnect()
@@ -73,8 +106,8 @@ def test_a_full_ring_sends_the_rest_of_its_notes_on_the_connection():
         tokens = [b.hold(i, lambda obj: None) for i in range(n)]
         for token in tokens:  # the exporter does not look meanwhile
             acquire(b.address, token)
-        # the ring filled (the exporter looks again when the first note sent wakes it)
-        assert broker_client._links[b.address].ring.written() >= ring.SLOTS
+        # the ring filled, and was given up: every later note goes on the connection, in order
+        assert broker_client._links[b.address].ring is None
         assert wait_for(lambda: b.holders() == {os.getpid(): n})  # every note counted
         for token in tokens:
             assert release(b.address, token)

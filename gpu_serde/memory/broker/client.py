@@ -290,8 +290,8 @@ def _recv_answer(sock: socket.socket) -> tuple[bytes, list[int]]:
 def _open(link: _Link, address: str, deadline: float) -> None:
     """Connect ``link`` (its lock held), give the broker the connection's notes ring, and note
     again over the new connection every hold this process has (the broker dropped its count with
-    the old one; the locks never went). Without a ring (none could be made) acquires' notes go
-    on the connection."""
+    the old one; the locks never went). Without a ring (none could be made) the notes go on the
+    connection."""
     link.sock = _connect(address, deadline)
     link.used = time.monotonic()
     try:
@@ -310,8 +310,10 @@ def _open(link: _Link, address: str, deadline: float) -> None:
             os.close(fd)
         link.ring = ring
     notes = b"".join(
-        (ACQUIRE + token + sends.to_bytes(8, "big") + bytes(CHECK_BYTES - 8)) * link.held[token]
+        ACQUIRE + token + sends.to_bytes(8, "big") + bytes(CHECK_BYTES - 8)
         for token, sends in link.locked.values()
+        for _ in range(link.held[token])
+        if not _put_note(link, ACQUIRE, token, sends)
     )
     if notes:
         try:
@@ -581,14 +583,15 @@ def _note(
     *,
     connect: bool = True,
 ) -> bool:
-    """Send a note (an acquire or a release: no answer) over ``link`` (its lock held); False when
-    it could not be sent. A connection that broke is replaced once, and the new one carries this
-    process's holds as they stand (an acquire's note is sent before the hold is recorded, a
-    release's after: the new connection's notes then say it already). Losing a note loses no
-    hold: the locks are what the exporter obeys, and an acquire's note lost only keeps the block
-    longer. A release with no connection to send it on needs none: the broker dropped the closed
-    connection's counts, this one's too; a new one is made only to note again the holds left
-    (never with ``connect=False``: the next request's connection notes them)."""
+    """Note an acquire or a release over ``link`` (its lock held; no answer): in the connection's
+    notes ring, or sent on it (:func:`_put_note`); False when it could not be sent. A connection
+    that broke is replaced once, and the new one carries this process's holds as they stand (an
+    acquire's note is sent before the hold is recorded, a release's after: the new connection's
+    notes then say it already). Losing a note loses no hold: the locks are what the exporter
+    obeys, and an acquire's note lost only keeps the block longer. A release with no connection
+    to send it on needs none: the broker dropped the closed connection's counts, this one's too;
+    a new one is made only to note again the holds left (never with ``connect=False``: the next
+    request's connection notes them)."""
     _retire_if_idle(link)
     for _ in range(2):
         fresh = link.sock is None
@@ -599,7 +602,8 @@ def _note(
                 _open(link, address, time.monotonic() + timeout)
                 if op == RELEASE:
                     return True
-            _send_ahead(link, op + token + check)
+            if not _put_note(link, op, token, int.from_bytes(check[:8], "big")):
+                _send_ahead(link, op + token + check)
         except (OSError, ExporterGoneError):  # TimeoutError too: the framing may be lost
             _hang_up(link)
             if fresh:
@@ -610,18 +614,21 @@ def _note(
     return False
 
 
-def _note_acquire(link: _Link, address: str, token: bytes, sends: int, timeout: float) -> None:
-    """Note an acquire of ``token`` (the payload's count of ``sends`` again) over ``link`` (its
-    lock held): in the connection's ring, which the exporter reads when it needs to (nothing
-    sent, no thread of the exporter woken); on the connection itself when the ring is full,
-    there is none, or the connection must be made (a new one notes every hold there)."""
-    _retire_if_idle(link)
+def _put_note(link: _Link, op: bytes, token: bytes, sends: int) -> bool:
+    """Write a note in ``link``'s notes ring (its lock held), which the exporter reads when it
+    needs to: nothing sent, no thread of the exporter woken. False when it must be sent on the
+    connection instead: there is no ring, or it is full (the exporter has not looked for a
+    while), and then the ring is given up for the rest of the connection, so that every later
+    note is sent after this one, in order (the exporter reads the ring before it counts a note
+    sent)."""
     ring = link.ring
-    if link.sock is not None and ring is not None and ring.put(token, sends):
-        link.used = time.monotonic()
-        return
-    echo = sends.to_bytes(8, "big") + bytes(CHECK_BYTES - 8)  # which payload it was
-    _note(link, address, ACQUIRE, token, echo, timeout)
+    if ring is None:
+        return False
+    if ring.put(token, sends, release=op == RELEASE):
+        return True
+    ring.close()
+    link.ring = None
+    return False
 
 
 def _holds_file(link: _Link, address: str, deadline: float, timeout: float) -> HoldsFile:
@@ -738,7 +745,8 @@ def acquire(address: str, token: bytes, block: bytes = NO_CHECK, *, timeout: flo
             if first and link.file is file:
                 holdsfile.unlock(file.fd, seq)
             raise
-        _note_acquire(link, address, token, sends, timeout)
+        echo = sends.to_bytes(8, "big") + bytes(CHECK_BYTES - 8)  # which payload it was
+        _note(link, address, ACQUIRE, token, echo, timeout)
         link.locked[seq] = (token, sends)
         link.held[token] = link.held.get(token, 0) + 1
         link.holds += 1

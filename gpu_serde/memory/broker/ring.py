@@ -1,30 +1,36 @@
-"""The notes ring: an importer's acquire notes, in memory its exporter reads when it needs them.
+"""The notes ring: an importer's notes, in memory its exporter reads when it needs them.
 
-An acquire's note used to be a message on the importer's connection to the exporter's broker:
-one ``send``, and a thread of the exporter woken to count it, while the hand-off was under way.
-The exporter does not need to know at once: the lock is what it obeys
-(:mod:`~gpu_serde.memory.broker.holdsfile`); the notes say which process holds what, and whether
-a payload was received. So each connection now comes with a **ring** that the importer writes its
-acquire notes into and the exporter reads whenever it is about to use what they say: before it
-counts a release from that connection, when the connection ends, before it lets an object go,
-before it answers who holds what, and before it hands its holds to a keeper. An acquire then
-costs the importer two stores to shared memory and wakes nothing.
+An importer's notes (that it took a hold, that it gave one back) used to be messages on its
+connection to the exporter's broker: one ``send`` each, and a thread of the exporter woken to
+count it, while the hand-off was under way. The exporter does not need to know at once: the lock
+is what it obeys (:mod:`~gpu_serde.memory.broker.holdsfile`); the notes say which process holds
+what, whether a payload was received, and when the grace of an object no one holds starts. So
+each connection now comes with a **ring** that the importer writes its notes into and the
+exporter reads whenever it is about to use what they say: when a request or note arrives on that
+connection, when the connection ends, before it lets an object go, before it answers who holds
+what, before it hands its holds to a keeper, when its arena has no room, and otherwise every
+little while (:data:`~gpu_serde.memory.broker.server.LOOK_S`) while it holds anything. A note then
+costs the importer a few stores to shared memory and wakes nothing.
 
 The importer makes the ring (a ``memfd``, sealed against growing and shrinking: a peer that
 could shrink it would crash the exporter's reads) and passes it with the connection's first
-message (:data:`RING`, ``SCM_RIGHTS``). Its layout, little-endian:
+message (:data:`~gpu_serde.memory.broker.client.RING`, ``SCM_RIGHTS``). Its layout,
+little-endian:
 
 - bytes 0 to 7: how many notes the importer has written (only it writes them);
 - bytes 8 to 15: how many the exporter has read (only it writes them);
 - from :data:`HEADER_BYTES`, :data:`SLOTS` records of :data:`RECORD_BYTES`: the token, the count of
-  sends again that the importer read in the holds table, the note's number (mod 2**32), and a
-  CRC-32 of the three. The exporter takes a record only when its number and checksum match: one
-  not yet wholly visible to it (a store not yet seen on another CPU) is read at its next look.
+  sends again that an acquirer read in the holds table, the note's kind (the top bit: a release)
+  and number (mod 2**31), and a CRC-32 of the three. The exporter takes a record only when its
+  number and checksum match: one not yet wholly visible to it (a store not yet seen on another
+  CPU) is read at its next look.
 
 A full ring (the exporter has not looked for :data:`SLOTS` notes) sends the note on the
-connection instead, as before. Nothing in the ring is trusted: the exporter checks its size and
-seals before mapping it, reads at most :data:`SLOTS` records at a time, and a count that cannot be
-(behind what it read, or further ahead than the ring holds) ends the connection.
+connection instead, as before; the exporter reads the ring before it counts a note sent, so the
+order holds. Nothing in the ring is trusted: the exporter checks its size and seals before
+mapping it, reads at most :data:`SLOTS` records at a time, counts nothing for a token it did not
+issue or a release of a hold not taken over that connection, and a count that cannot be (behind
+what it read, or further ahead than the ring holds) ends the connection.
 """
 
 from __future__ import annotations
@@ -42,8 +48,10 @@ HEADER_BYTES = 64
 RECORD_BYTES = 32
 SIZE = HEADER_BYTES + SLOTS * RECORD_BYTES
 _COUNT = struct.Struct("<Q")
-_RECORD = struct.Struct("<16sQII")  # token, sends, number, CRC-32 of the first 28 bytes
+_RECORD = struct.Struct("<16sQII")  # token, sends, kind and number, CRC-32 of the first 28 bytes
 _BODY = 28
+_RELEASE = 1 << 31  # the kind bit: a release's note (else an acquire's)
+_NUMBER = _RELEASE - 1
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _NAME = "gpu_serde-notes"
 
@@ -98,13 +106,14 @@ class NotesRing:
             os.close(fd)
         return cls(mapping)
 
-    def put(self, token: bytes, sends: int) -> bool:
+    def put(self, token: bytes, sends: int, *, release: bool = False) -> bool:
         """The importer's: write an acquire's note (``token``, and the count of sends again it
-        read); False when the ring is full (the exporter has not looked for a while)."""
+        read), or a release's (``release=True``, ``sends`` 0); False when the ring is full (the
+        exporter has not looked for a while)."""
         m, n = self._map, self._next
         if m is None or n - _COUNT.unpack_from(m, 8)[0] >= SLOTS:
             return False
-        number = n & 0xFFFFFFFF
+        number = (n & _NUMBER) | (_RELEASE if release else 0)
         body = _RECORD.pack(token, sends, number, 0)[:_BODY]
         at = HEADER_BYTES + (n % SLOTS) * RECORD_BYTES
         _RECORD.pack_into(m, at, token, sends, number, zlib.crc32(body))
@@ -117,8 +126,9 @@ class NotesRing:
         closed)."""
         return -1 if self._map is None else int(_COUNT.unpack_from(self._map, 0)[0])
 
-    def take(self) -> list[tuple[bytes, int]]:
-        """The exporter's: the notes written since its last look, as (token, sends), in order.
+    def take(self) -> list[tuple[bool, bytes, int]]:
+        """The exporter's: the notes written since its last look, as (a release's, token, sends),
+        in order.
 
         Raises:
             RingError: the importer's count is behind what was read, or further ahead than the
@@ -135,9 +145,9 @@ class NotesRing:
         while n < written:
             at = HEADER_BYTES + (n % SLOTS) * RECORD_BYTES
             token, sends, number, crc = _RECORD.unpack_from(m, at)
-            if number != n & 0xFFFFFFFF or crc != zlib.crc32(m[at : at + _BODY]):
+            if number & _NUMBER != n & _NUMBER or crc != zlib.crc32(m[at : at + _BODY]):
                 break  # not wholly visible yet: the next look reads it
-            notes.append((token, sends))
+            notes.append((bool(number & _RELEASE), token, sends))
             n += 1
         if n != self._next:
             self._next = n

@@ -80,6 +80,12 @@ BATCH_BYTES = REQUEST_BYTES * 1985  # read at once from a connection: whole requ
 #: Seconds before the broker tries again to let go of an object whose lock a process still held
 #: when its grace ran out (its acquire's note was on its way).
 RETRY_S = 0.05
+#: Seconds between the release thread's looks at the connections' notes rings while it holds
+#: anything and the last look found notes; each look that finds none doubles the wait, up to
+#: :data:`LOOK_MAX_S`. A release read at a look starts its grace then (a release read late keeps
+#: its object longer, never shorter).
+LOOK_S = 0.02
+LOOK_MAX_S = 0.5
 
 
 @dataclass
@@ -234,6 +240,9 @@ class Broker:
             self._file.write(seq, token, block)
             self._slots.add(seq % holdsfile.SLOTS)
             self._holds[token] = _Hold(obj, seq, block, on_release, grace, needs=needs)
+            idle = self._wake_at == math.inf and bool(self._rings)
+        if idle:  # the release thread now has rings to look at
+            self._due.set()
         return token
 
     def _next_seq(self) -> int:
@@ -314,13 +323,13 @@ class Broker:
         tokens = self._held_over.setdefault(conn, {})
         tokens[token] = tokens.get(token, 0) + 1
 
-    def _read_ring(self, conn: int) -> None:
-        """Count the acquires' notes waiting in connection ``conn``'s ring (with the lock). A ring
-        whose counts cannot be is read no more, and its connection is ended (the peer's next
-        connection notes its holds as they stand)."""
+    def _read_ring(self, conn: int) -> int:
+        """Count the notes waiting in connection ``conn``'s ring, in order (with the lock); how
+        many there were. A ring whose counts cannot be is read no more, and its connection is
+        ended (the peer's next connection notes its holds as they stand)."""
         ring = self._rings.get(conn)
         if ring is None:
-            return
+            return 0
         try:
             notes = ring.take()
         except RingError:
@@ -330,15 +339,23 @@ class Broker:
                 if id(sock) == conn:
                     with contextlib.suppress(OSError):
                         sock.shutdown(socket.SHUT_RDWR)  # its thread sees the end
-            return
-        for token, sends in notes:
-            self._acquire(conn, token, sends)
+            return 0
+        sooner = False
+        for release, token, sends in notes:
+            if not release:
+                self._acquire(conn, token, sends)
+                continue
+            tokens = self._held_over.get(conn)
+            if tokens and tokens.get(token):  # else not held over this connection: nothing
+                sooner = self._let_one_go(conn, token, tokens, 1) or sooner
+        if sooner:  # (its grace starts now: a release read late only keeps the object longer)
+            self._due.set()
+        return len(notes)
 
-    def _read_rings(self) -> None:
-        """Count every connection's acquires' notes waiting in its ring (with the lock): before
-        the broker acts on who holds what."""
-        for conn in list(self._rings):
-            self._read_ring(conn)
+    def _read_rings(self) -> int:
+        """Count every connection's notes waiting in its ring (with the lock): before the broker
+        acts on who holds what. How many there were."""
+        return sum(self._read_ring(conn) for conn in list(self._rings))
 
     def _release(self, conn: int, token: bytes) -> bytes:
         with self._lock:
@@ -401,14 +418,19 @@ class Broker:
         """The release thread: lets go of objects once their grace has passed. It is woken only
         for an object due before the look it planned (a release at the default grace is due
         after the objects released before it: no wake-up)."""
+        look = LOOK_S
         while not self._closed and not self._exiting:
             with self._lock:
                 due = min((e.due for e in self._holds.values() if e.due is not None), default=None)
+                if self._rings and self._holds:  # a note in a ring may let something go
+                    at = time.monotonic() + look
+                    due = at if due is None else min(due, at)
                 self._wake_at = math.inf if due is None else due
             self._due.wait(None if due is None else max(0.0, due - time.monotonic()))
             self._due.clear()  # what was set after this is in the table: the next look sees it
             if not self._exiting:
-                self._sweep()
+                # rings that had notes are looked at again soon, quiet ones less and less often
+                look = LOOK_S if self._sweep() else min(LOOK_MAX_S, 2 * look)
 
     def stop_letting_go(self, timeout: float = 2.0) -> None:
         """Stop the release thread (a callback in flight finishes first, for up to ``timeout``
@@ -419,13 +441,21 @@ class Broker:
         if self._letting_go is not threading.current_thread():
             self._letting_go.join(timeout)
 
-    def _sweep(self) -> None:
+    def look(self) -> None:
+        """Read every connection's notes now, and let go of what is due, in the calling thread:
+        what an exporter short of memory does before it gives up (the release thread otherwise
+        reads the rings every :data:`LOOK_S` to :data:`LOOK_MAX_S` seconds)."""
+        self._sweep()
+
+    def _sweep(self) -> int:
         """Let go of objects whose holders all went more than ``grace`` s ago, and which no
-        process holds a lock on (one whose acquire's note is still on its way is kept)."""
+        process holds a lock on (one whose acquire's note is still on its way is kept). How many
+        notes the rings had."""
         now = time.monotonic()
         dropped = []
         with self._lock:
-            self._read_rings()  # an acquire there keeps its object
+            noted = self._read_rings()  # an acquire there keeps its object, a release starts
+            now = time.monotonic()  # its grace
             for token, entry in list(self._holds.items()):
                 if entry.due is None or entry.due > now:
                     continue
@@ -449,6 +479,7 @@ class Broker:
             with contextlib.suppress(Exception):  # the exporter's callback must not kill the broker
                 on_release(obj)
             del obj
+        return noted
 
     # ---- a keeper serves on after this process exits ----
     def to_keep(self) -> Kept | None:
@@ -736,6 +767,7 @@ class Broker:
             return False  # the framing is lost: the peer reconnects
         if op == ACQUIRE:  # notes: not answered
             with self._lock:
+                self._read_ring(key)  # what its ring holds came first
                 self._acquire(key, token, int.from_bytes(check[:8], "big"))
             return True
         if op == RELEASE:
@@ -782,6 +814,9 @@ class Broker:
                 ring.close()
                 return False
             self._rings[conn] = ring
+            idle = self._wake_at == math.inf and bool(self._holds)
+        if idle:  # the release thread now has a ring to look at
+            self._due.set()
         return True
 
 
