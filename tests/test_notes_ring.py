@@ -75,6 +75,9 @@ def test_a_release_in_the_ring_lets_its_object_go_at_the_exporters_next_look(mon
     let_go: list[str] = []
     try:
         token = b.hold("a block", let_go.append, block=BLOCK, grace=0)
+        other = b.hold("another", let_go.append)
+        acquire(b.address, other)  # the connection is made, and its thread waits for a message
+        time.sleep(0.2)
         acquire(b.address, token, BLOCK)
         assert release(b.address, token)
         time.sleep(0.3)
@@ -99,12 +102,14 @@ def test_the_release_thread_reads_the_rings_while_it_holds_anything():
         disconnect()
 
 
-def test_a_full_ring_sends_the_rest_of_its_notes_on_the_connection():
+def test_a_full_ring_sends_the_rest_of_its_notes_on_the_connection(monkeypatch):
+    monkeypatch.setattr(server, "LOOK_S", 60.0)  # the exporter does not look meanwhile
+    monkeypatch.setattr(server, "LOOK_MAX_S", 60.0)
     b = Broker()
     n = ring.SLOTS + 6
     try:
         tokens = [b.hold(i, lambda obj: None) for i in range(n)]
-        for token in tokens:  # the exporter does not look meanwhile
+        for token in tokens:
             acquire(b.address, token)
         # the ring filled, and was given up: every later note goes on the connection, in order
         assert broker_client._links[b.address].ring is None
