@@ -16,11 +16,11 @@ interleaved round by round, each round ``--per-round`` hand-offs, medians over r
 - ``arena``: a new 1 MiB ``ArenaMemoryResource`` buffer, closed by the receiver (its release in the
   background), as ``handoff_table.py`` sends it;
 - ``arena, kept``: the same, but the receiver keeps what it received (no release traffic);
-- ``arena, notes sent`` and ``arena, kept, notes sent``: the same two, with the receiver's notes
-  (its acquires and releases) sent on its connection to the exporter's broker, as before the
-  notes ring (a thread of the exporter woken to count each); patched in the receiving actor
-  only, not a mode anyone can choose. What each case saves over its ``notes sent`` twin is what
-  the ring saves.
+- ``arena, kept, no note``: a what-if, not a mode anyone can run: the same, with the receiver's
+  acquire not telling the exporter (its note unsent; the lock is still taken). What it saves over
+  ``arena, kept`` bounds what a hold with no note at all could gain: the note's send and the
+  exporter's thread woken to count it. Its blocks are never let go (nothing claimed them): they
+  come from an arena of their own, sized for the run.
 
 Inside the actors, over the same rounds: the sender's ``pickle.dumps`` of a new buffer, the
 receiver's ``pickle.loads`` and ``close``. "Left" is the arena's cost over a plain object minus
@@ -63,12 +63,13 @@ class Sender:
         pad = size - len(pickle.dumps(types.SimpleNamespace(b=b"")))
         self.plain = types.SimpleNamespace(b=bytes(max(0, pad)))
         self.ready: list[Any] = []
+        self.unclaimed: Any = None  # the what-if's arena (its blocks are never let go)
 
-    def _new(self) -> Any:
+    def _new(self, arena: Any = None) -> Any:
         deadline = time.monotonic() + 30
         while True:
             try:
-                return self.arena.allocate(BUF)
+                return (arena or self.arena).allocate(BUF)
             except Exception:  # released blocks come back in the background
                 if time.monotonic() > deadline:
                     raise
@@ -77,6 +78,14 @@ class Sender:
     def fill(self, n: int) -> None:
         """Allocate the next ``n`` buffers ahead (untimed, as ``handoff_table.py`` prepares)."""
         self.ready = [self._new() for _ in range(n)]
+
+    def fill_unclaimed(self, n: int, total: int) -> None:
+        """As :meth:`fill`, from the what-if's own arena (made once, for ``total`` buffers)."""
+        import gpu_serde
+
+        if self.unclaimed is None:
+            self.unclaimed = gpu_serde.ArenaMemoryResource(self.arena.device, total * BUF)
+        self.ready = [self._new(self.unclaimed) for _ in range(n)]
 
     def make(self, case: str) -> Any:
         if case == "int":
@@ -178,22 +187,21 @@ class Receiver:
             buf.close()
         self.kept.clear()
 
-    def notes_sent(self, on: bool) -> None:
-        """From now on (on) this actor's notes go on the connection, as before the notes ring,
-        or (off) in the ring again, on new connections (a connection's notes must not go back
-        from the socket to its ring: the exporter may read the ring first). gpu_serde's own
-        module, in this actor only."""
+    def without_note(self, on: bool) -> None:
+        """The what-if: from now on (on) an acquire takes its lock but sends the exporter no
+        note, or (off) sends it again. gpu_serde's own module, in this actor only."""
         from gpu_serde.memory.broker import client
 
-        if not hasattr(self, "put"):
-            self.put = client._put_note
-        original = self.put
+        if not hasattr(self, "note"):
+            self.note = client._note
+        original = self.note
 
-        def refused(*args: Any) -> bool:
-            return False
+        def unsent(link: Any, address: str, op: bytes, *args: Any, **kwargs: Any) -> bool:
+            if op == client.ACQUIRE:
+                return True
+            return bool(original(link, address, op, *args, **kwargs))
 
-        client.disconnect()  # (what holds nothing: the kept buffers were closed before)
-        client._put_note = refused if on else original  # type: ignore[assignment]
+        client._note = unsent if on else original  # type: ignore[assignment]
 
     def time_loads(self, payloads: list[bytes]) -> tuple[float, float]:
         """Medians of ``pickle.loads`` and ``close`` over ``payloads``."""
@@ -237,23 +245,22 @@ def main() -> None:
             "plain": case("plain"),
             "bytes": case("bytes"),
             "arena": case("arena"),
-            "arena, notes sent": case("arena"),
             "arena, kept": case("arena", keep=True),
-            "arena, kept, notes sent": case("arena", keep=True),
+            "arena, kept, no note": case("arena", keep=True),
         }
+        total = (args.rounds + 1) * args.per_round + 3  # the what-if's buffers, warm-up included
 
         def fill() -> None:
-            ray.get([receiver.drop_kept.remote(), receiver.notes_sent.remote(False)])
+            ray.get([receiver.drop_kept.remote(), receiver.without_note.remote(False)])
             ray.get(sender.fill.remote(args.per_round))
 
-        def fill_sent() -> None:
-            ray.get([receiver.drop_kept.remote(), receiver.notes_sent.remote(True)])
-            ray.get(sender.fill.remote(args.per_round))
+        def fill_unclaimed() -> None:
+            ray.get([receiver.drop_kept.remote(), receiver.without_note.remote(True)])
+            ray.get(sender.fill_unclaimed.remote(args.per_round, total))
 
         cases["arena"].setup = fill  # type: ignore[attr-defined]
-        cases["arena, notes sent"].setup = fill_sent  # type: ignore[attr-defined]
         cases["arena, kept"].setup = fill  # type: ignore[attr-defined]
-        cases["arena, kept, notes sent"].setup = fill_sent  # type: ignore[attr-defined]
+        cases["arena, kept, no note"].setup = fill_unclaimed  # type: ignore[attr-defined]
         for fn in cases.values():  # warm: actors started, region mapped, connections open
             if setup := getattr(fn, "setup", None):
                 setup()
@@ -262,7 +269,7 @@ def main() -> None:
         samples = _common.interleaved_samples(
             cases, rounds=args.rounds, per_round=args.per_round, alternate=True
         )
-        ray.get([receiver.drop_kept.remote(), receiver.notes_sent.remote(False)])
+        ray.get([receiver.drop_kept.remote(), receiver.without_note.remote(False)])
         n = args.rounds * 3
         dumps = ray.get(sender.time_dumps.remote(n))
         loads_s, close_s = [], []
@@ -286,11 +293,13 @@ def main() -> None:
         ray.shutdown()
 
     med = {k: statistics.median(v) for k, v in samples.items()}
-    over = {k: _common.paired_ci(samples, k, "int") for k in cases if k != "int"}
+    over = {
+        k: _common.paired_ci(samples, k, "int")
+        for k in ("plain", "bytes", "arena", "arena, kept", "arena, kept, no note")
+    }
     vs_plain = _common.paired_ci(samples, "arena", "plain")
     kept_vs_plain = _common.paired_ci(samples, "arena, kept", "plain")
-    ring_closed = _common.paired_ci(samples, "arena, notes sent", "arena")
-    ring_kept = _common.paired_ci(samples, "arena, kept, notes sent", "arena, kept")
+    note = _common.paired_ci(samples, "arena, kept", "arena, kept, no note")
     print(f"# an arena hand-off in Ray, split ({gpus}; {_common.machine()})")
     print(f"int round trip: {med['int'] * 1e3:.3f} ms; medians over {args.rounds} rounds\n")
     if "simulated" in gpus:
@@ -299,8 +308,8 @@ def main() -> None:
         "Rows: plain, a pickled object the size of an arena buffer's payload (Ray's own cost for "
         "any pickled object); bytes, bytes of that size (Ray carries them raw, unpickled); arena, "
         "a new 1 MiB ArenaMemoryResource buffer the receiver closes; arena, kept, the same kept "
-        "by the receiver (no release traffic); notes sent, the same with the receiver's notes "
-        "sent on its connection, as before the notes ring.\n"
+        "by the receiver (no release traffic); arena, kept, no note, a what-if: the same with the "
+        "receiver's acquire sending the exporter no note (not a mode anyone can run).\n"
     )
     print("| case | adds to the int's round trip (95% interval) |")
     print("|---|---|")
@@ -318,10 +327,8 @@ def main() -> None:
         f"({kept_vs_plain[1] * 1e3:.3f} to {kept_vs_plain[2] * 1e3:.3f})"
     )
     print(
-        f"- what the notes ring saves (notes sent, minus the ring): closed "
-        f"{ring_closed[0] * 1e3:.3f} ms ({ring_closed[1] * 1e3:.3f} to "
-        f"{ring_closed[2] * 1e3:.3f}), kept {ring_kept[0] * 1e3:.3f} ms "
-        f"({ring_kept[1] * 1e3:.3f} to {ring_kept[2] * 1e3:.3f})"
+        f"- the acquire's note (kept, minus the what-if without it): {note[0] * 1e3:.3f} ms "
+        f"({note[1] * 1e3:.3f} to {note[2] * 1e3:.3f}): the most a hold with no note could save"
     )
     print(
         f"- gpu_serde's own Python, in the actors: dumps {dumps * 1e6:.0f} us, loads "
@@ -351,8 +358,7 @@ def main() -> None:
         ("loads", loads),
         ("close", close),
         ("left", left),
-        ("the ring saves, closed", ring_closed[0]),
-        ("the ring saves, kept", ring_kept[0]),
+        ("the acquire's note", note[0]),
         ("reduce in place", dumps_in),
         ("rebuild in place", loads_in),
     ):

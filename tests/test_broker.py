@@ -176,12 +176,11 @@ def fds_but_others(address: str) -> int:
     own = server._broker
     with broker_client._links_lock:
         others = sum(
-            (link.sock is not None) + (link.ring is not None) + (link.file is not None)
+            (link.sock is not None) + (link.file is not None)
             for at, link in broker_client._links.items()
             if at != address
         )
-    serving = len(own._conns) + len(own._rings) if own is not None else 0
-    return open_fds() - others - serving
+    return open_fds() - others - (len(own._conns) if own is not None else 0)
 
 
 def test_a_thousand_handoffs_leave_no_descriptor_open(exporter):
@@ -191,9 +190,8 @@ def test_a_thousand_handoffs_leave_no_descriptor_open(exporter):
     mine, theirs = fds_but_others(address), settled_fds(proc.pid)
     for _ in range(1000):
         os.close(fetch(address, token))
-    # one connection and its notes ring (a mapping keeps a descriptor), kept for the next request
-    assert fds_but_others(address) == mine + 2
-    assert wait_for_fds(proc.pid, theirs + 2) == theirs + 2  # the broker's side of them
+    assert fds_but_others(address) == mine + 1  # one connection, kept for the next request
+    assert wait_for_fds(proc.pid, theirs + 1) == theirs + 1  # the broker's side of it
     disconnect()
     assert fds_but_others(address) == mine
     assert wait_for_fds(proc.pid, theirs) == theirs
@@ -497,11 +495,10 @@ def test_a_process_keeps_at_most_max_idle_connections():
         before = settled_fds()
         for b, token in zip(brokers, tokens, strict=True):
             os.close(fetch(b.address, token))
-        # both ends live in this process, the client's and the broker's (none holds anything),
-        # each a socket and the notes ring's mapping
+        # both ends live in this process: the client's and the broker's (none holds anything)
         assert (
-            wait_for_fds("self", before + 4 * broker_client.MAX_IDLE)
-            == before + 4 * broker_client.MAX_IDLE
+            wait_for_fds("self", before + 2 * broker_client.MAX_IDLE)
+            == before + 2 * broker_client.MAX_IDLE
         )
         disconnect()
         assert wait_for_fds("self", before) == before
@@ -829,12 +826,11 @@ SLOW_BROKER = """
 import sys, time
 from gpu_serde.memory.broker import server
 b = server.Broker()
-release = b._release
-slow = [1.5]
-def slowly(conn, token):
-    time.sleep(slow.pop() if slow else 0)  # the exporter is busy (a long C call, a collection)
-    return release(conn, token)
-b._release = slowly
+acquire = b._acquire
+def slow(conn, token, stamp):
+    time.sleep(1.5)  # the exporter is busy (a long C call, a full collection)
+    return acquire(conn, token, stamp)
+b._acquire = slow
 kept = b.hold("in use", lambda obj: print("let go", flush=True), grace=0.1)
 print(b.address, kept.hex(), flush=True)
 sys.stdin.read()
@@ -850,11 +846,10 @@ def test_an_acquire_waits_for_no_answer_from_a_busy_exporter():
     )
     try:
         address, kept = proc.stdout.readline().split()
-        acquire(address, bytes.fromhex(kept), timeout=0.3)
+        acquire(address, bytes.fromhex(kept), timeout=0.3)  # the exporter takes 1.5 s to note it
         assert broker_client.holds(address) == 1
-        assert release(address, bytes.fromhex(kept))  # the exporter takes 1.5 s to count it
-        # far more notes than the ring and the socket take while the exporter is busy
-        for _ in range(3000):
+        assert release(address, bytes.fromhex(kept))
+        for _ in range(3000):  # far more notes than the socket takes while the exporter is busy
             acquire(address, bytes.fromhex(kept), timeout=0.3)
             assert release(address, bytes.fromhex(kept), timeout=0.3)
         assert proc.stdout.readline().strip() == "let go"  # both notes counted, in order

@@ -399,11 +399,6 @@ class ArenaMemoryResource(lifetime.DeviceMemory, MemoryResource):
                 "device (arena.device.create_stream())"
             )
         ptr = r.take(size)
-        if ptr is None and r.tokens:  # sent: the receivers' releases may wait in their rings
-            b = _broker.started()
-            if b is not None:
-                b.look()  # (its callbacks give blocks back, taking the region's lock)
-                ptr = r.take(size)
         if ptr is None:
             raise self._full(size)
         try:

@@ -6,11 +6,9 @@ over it, one at a time. The broker checks nothing of what the connection says ab
 is a **lock** in the broker's holds file (:mod:`gpu_serde.memory.broker.holdsfile`), which this
 process fetches once per broker (its own open file description of it), so taking a hold
 (:func:`acquire`) and giving it back (:func:`release`) need no answer from the exporter: a lock,
-a look at the table, and a note (the exporter counts notes to know which process holds what, for
-:meth:`~gpu_serde.memory.broker.Broker.holders`; the locks are what it obeys). An acquire's note
-goes in the connection's notes ring (:mod:`~gpu_serde.memory.broker.ring`), which the exporter
-reads when it needs to; a release's is sent ahead on the connection. The kernel releases the
-locks when this process dies, however it dies.
+a look at the table, and a note sent ahead on the connection (the exporter counts notes to know
+which process holds what, for :meth:`~gpu_serde.memory.broker.Broker.holders`; the locks are what
+it obeys). The kernel releases the locks when this process dies, however it dies.
 
 The holds file stays open while this process holds anything there; the connection may break
 without losing a hold. This process closes a connection (and the holds file with it) only when
@@ -22,8 +20,7 @@ between reading a request and answering it). A new connection first notes again 
 process has (the broker forgot them with the old one).
 
 The client checks the broker's uid (abstract socket names carry no permissions) and gives up after
-a timeout (1 s by default) instead of hanging. The wire protocol, both sides: a connection's
-first message is :data:`RING` with the ring's descriptor (no answer); a request is
+a timeout (1 s by default) instead of hanging. The wire protocol, both sides: a request is
 :data:`REQUEST_BYTES` bytes (an operation, a token, and 16 bytes: the identity a fetch expects,
 which the broker checks; for an acquire's note, the count of sends again it read in the table);
 descriptors arrive close-on-exec. A fetch is answered with one byte (:data:`OK` with a
@@ -50,7 +47,6 @@ from gpu_serde.errors import ExporterGoneError, HandoffError, TokenRefusedError
 from gpu_serde.memory.background import Background
 from gpu_serde.memory.broker import holdsfile
 from gpu_serde.memory.broker.holdsfile import HoldsFile, watch_forks
-from gpu_serde.memory.broker.ring import NotesRing
 
 TOKEN_BYTES = 16
 CHECK_BYTES = 16
@@ -60,7 +56,6 @@ FETCH = b"F"
 HOLDS_FILE = b"H"
 ACQUIRE = b"A"
 RELEASE = b"R"
-RING = b"C"  # the connection's first message: its notes ring comes with it (no answer)
 OK = b"K"
 NO = b"N"
 MISMATCH = b"M"
@@ -107,12 +102,11 @@ class _Link:
     makes its requests one at a time, its view of the broker's holds file (None until the first
     hold), and the holds it carries (token -> how many)."""
 
-    __slots__ = ("file", "held", "holds", "lock", "locked", "pending", "ring", "sock", "used")
+    __slots__ = ("file", "held", "holds", "lock", "locked", "pending", "sock", "used")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.sock: socket.socket | None = None
-        self.ring: NotesRing | None = None  # the connection's: its acquire notes (None: sent)
         self.file: HoldsFile | None = None
         self.held: dict[bytes, int] = {}
         # sequence number -> the token its lock was taken for, and the sends it read then
@@ -128,12 +122,9 @@ class _Link:
         if self.sock is not None:
             with contextlib.suppress(OSError):
                 self.sock.close()
-        if self.ring is not None:
-            self.ring.close()
         if self.file is not None:
             self.file.close()
-        self.sock, self.ring, self.file = None, None, None
-        self.held, self.locked, self.holds = {}, {}, 0
+        self.sock, self.file, self.held, self.locked, self.holds = None, None, {}, {}, 0
         self.pending.clear()
 
 
@@ -154,8 +145,6 @@ def _forget_after_fork() -> None:
         if link.sock is not None:
             with contextlib.suppress(OSError):
                 link.sock.close()
-        if link.ring is not None:
-            link.ring.close()
         if link.file is not None:
             link.file.close()
 
@@ -288,32 +277,13 @@ def _recv_answer(sock: socket.socket) -> tuple[bytes, list[int]]:
 
 
 def _open(link: _Link, address: str, deadline: float) -> None:
-    """Connect ``link`` (its lock held), give the broker the connection's notes ring, and note
-    again over the new connection every hold this process has (the broker dropped its count with
-    the old one; the locks never went). Without a ring (none could be made) the notes go on the
-    connection."""
+    """Connect ``link`` (its lock held), and note again over the new connection every hold this
+    process has (the broker dropped its count with the old one; the locks never went)."""
     link.sock = _connect(address, deadline)
     link.used = time.monotonic()
-    try:
-        ring, fd = NotesRing.create()
-    except OSError:
-        pass  # (no memory file to be had: the notes go on the connection)
-    else:
-        try:
-            link.sock.settimeout(max(0.01, deadline - time.monotonic()))
-            socket.send_fds(link.sock, [RING + bytes(REQUEST_BYTES - 1)], [fd], NOSIGNAL)
-        except OSError:
-            ring.close()
-            _hang_up(link)
-            raise
-        finally:
-            os.close(fd)
-        link.ring = ring
     notes = b"".join(
-        ACQUIRE + token + sends.to_bytes(8, "big") + bytes(CHECK_BYTES - 8)
+        (ACQUIRE + token + sends.to_bytes(8, "big") + bytes(CHECK_BYTES - 8)) * link.held[token]
         for token, sends in link.locked.values()
-        for _ in range(link.held[token])
-        if not _put_note(link, ACQUIRE, token, sends)
     )
     if notes:
         try:
@@ -377,9 +347,6 @@ def _hang_up(link: _Link) -> None:
         with contextlib.suppress(OSError):
             link.sock.close()
         link.sock = None
-    if link.ring is not None:  # the broker reads what it holds when it sees the connection end
-        link.ring.close()
-        link.ring = None
     link.pending.clear()  # superseded: a new connection notes the holds as they stand
 
 
@@ -583,15 +550,14 @@ def _note(
     *,
     connect: bool = True,
 ) -> bool:
-    """Note an acquire or a release over ``link`` (its lock held; no answer): in the connection's
-    notes ring, or sent on it (:func:`_put_note`); False when it could not be sent. A connection
-    that broke is replaced once, and the new one carries this process's holds as they stand (an
-    acquire's note is sent before the hold is recorded, a release's after: the new connection's
-    notes then say it already). Losing a note loses no hold: the locks are what the exporter
-    obeys, and an acquire's note lost only keeps the block longer. A release with no connection
-    to send it on needs none: the broker dropped the closed connection's counts, this one's too;
-    a new one is made only to note again the holds left (never with ``connect=False``: the next
-    request's connection notes them)."""
+    """Send a note (an acquire or a release: no answer) over ``link`` (its lock held); False when
+    it could not be sent. A connection that broke is replaced once, and the new one carries this
+    process's holds as they stand (an acquire's note is sent before the hold is recorded, a
+    release's after: the new connection's notes then say it already). Losing a note loses no
+    hold: the locks are what the exporter obeys, and an acquire's note lost only keeps the block
+    longer. A release with no connection to send it on needs none: the broker dropped the closed
+    connection's counts, this one's too; a new one is made only to note again the holds left
+    (never with ``connect=False``: the next request's connection notes them)."""
     _retire_if_idle(link)
     for _ in range(2):
         fresh = link.sock is None
@@ -602,8 +568,7 @@ def _note(
                 _open(link, address, time.monotonic() + timeout)
                 if op == RELEASE:
                     return True
-            if not _put_note(link, op, token, int.from_bytes(check[:8], "big")):
-                _send_ahead(link, op + token + check)
+            _send_ahead(link, op + token + check)
         except (OSError, ExporterGoneError):  # TimeoutError too: the framing may be lost
             _hang_up(link)
             if fresh:
@@ -611,23 +576,6 @@ def _note(
             continue
         link.used = time.monotonic()
         return True
-    return False
-
-
-def _put_note(link: _Link, op: bytes, token: bytes, sends: int) -> bool:
-    """Write a note in ``link``'s notes ring (its lock held), which the exporter reads when it
-    needs to: nothing sent, no thread of the exporter woken. False when it must be sent on the
-    connection instead: there is no ring, or it is full (the exporter has not looked for a
-    while), and then the ring is given up for the rest of the connection, so that every later
-    note is sent after this one, in order (the exporter reads the ring before it counts a note
-    sent)."""
-    ring = link.ring
-    if ring is None:
-        return False
-    if ring.put(token, sends, release=op == RELEASE):
-        return True
-    ring.close()
-    link.ring = None
     return False
 
 

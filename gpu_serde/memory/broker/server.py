@@ -12,19 +12,18 @@ timeout instead of hanging. Descriptors the broker serves are its own duplicates
 **Holds are locks, and belong to their process.** The exporter keeps a sent object alive under a
 token (:meth:`Broker.hold`) that names the block it was issued for, in its holds file
 (:mod:`~gpu_serde.memory.broker.holdsfile`). An importer holds it by read-locking its byte there,
-through an open file description of its own, and tells the broker with a note that needs no answer
-(written in its connection's notes ring, :mod:`~gpu_serde.memory.broker.ring`, which the broker
-reads before it acts on who holds what); it releases by unlocking, and a note. The broker counts
-the notes per connection (which process holds what: :meth:`Broker.holders`), and lets an object go
-only when no note says it is held and it can write-lock its byte: the kernel refuses that while any
-process holds the read lock, and releases a process's locks when it dies, however it dies. A
-release counts only against holds noted over the same connection, and unlocks only the releasing
-process's own lock, so a process that never acquired (a Dask scheduler that saw the payload) cannot
-release anything. When a connection closes (the importer exited, was killed, or closed it), its
-notes are dropped at once. An object whose holds are all gone is let go :data:`grace <Broker.hold>`
-seconds later, unless it is acquired again in the meantime. A connection is closed for idleness
-only while no note says it holds anything (its process replaces one that holds nothing before the
-broker's idle time comes near).
+through an open file description of its own, and tells the broker with a note that needs no
+answer; it releases by unlocking, and a note. The broker counts the notes per connection (which
+process holds what: :meth:`Broker.holders`), and lets an object go only when no note says it is
+held and it can write-lock its byte: the kernel refuses that while any process holds the read
+lock, and releases a process's locks when it dies, however it dies. A release counts only against
+holds noted over the same connection, and unlocks only the releasing process's own lock, so a
+process that never acquired (a Dask scheduler that saw the payload) cannot release anything. When
+a connection closes (the importer exited, was killed, or closed it), its notes are dropped at
+once. An object whose holds are all gone is let go :data:`grace <Broker.hold>` seconds later,
+unless it is acquired again in the meantime. A connection is closed for idleness only while no
+note says it holds anything (its process replaces one that holds nothing before the broker's idle
+time comes near).
 
 **When this process exits normally**, what it still holds on memory that a descriptor keeps
 allocated (arena regions, VMM buffers: offered with ``keep``) is handed to a keeper process that
@@ -42,7 +41,6 @@ import os
 import secrets
 import select
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -63,12 +61,10 @@ from gpu_serde.memory.broker.client import (
     OK,
     RELEASE,
     REQUEST_BYTES,
-    RING,
     TOKEN_BYTES,
     peer_credentials,
     recv_by,
 )
-from gpu_serde.memory.broker.ring import NotesRing, RingError
 
 #: Seconds a broker keeps a silent connection that holds nothing open.
 IDLE_S = 60.0
@@ -80,12 +76,6 @@ BATCH_BYTES = REQUEST_BYTES * 1985  # read at once from a connection: whole requ
 #: Seconds before the broker tries again to let go of an object whose lock a process still held
 #: when its grace ran out (its acquire's note was on its way).
 RETRY_S = 0.05
-#: Seconds between the release thread's looks at the connections' notes rings while it holds
-#: anything and the last look found notes; each look that finds none doubles the wait, up to
-#: :data:`LOOK_MAX_S`. A release read at a look starts its grace then (a release read late keeps
-#: its object longer, never shorter).
-LOOK_S = 0.02
-LOOK_MAX_S = 0.5
 
 
 @dataclass
@@ -144,7 +134,6 @@ class Broker:
         self._holds: dict[bytes, _Hold] = {}
         self._held_over: dict[int, dict[bytes, int]] = {}  # connection id -> token -> holds
         self._peers: dict[int, int] = {}  # connection id -> the peer's pid (0: unknown)
-        self._rings: dict[int, NotesRing] = {}  # connection id -> its acquires' notes ring
         self._closed = False
         self._file = file if file is not None else holdsfile.HoldsFile.create()
         self._seq = holdsfile.ALIVE
@@ -240,9 +229,6 @@ class Broker:
             self._file.write(seq, token, block)
             self._slots.add(seq % holdsfile.SLOTS)
             self._holds[token] = _Hold(obj, seq, block, on_release, grace, needs=needs)
-            idle = self._wake_at == math.inf and bool(self._rings)
-        if idle:  # the release thread now has rings to look at
-            self._due.set()
         return token
 
     def _next_seq(self) -> int:
@@ -287,8 +273,6 @@ class Broker:
         taken its hold since: it is kept until one does, or until this process exits."""
         with self._lock:
             entry = self._holds.get(token)
-            if entry is not None and entry.unclaimed:
-                self._read_rings()  # an acquire's note there claims it
             return entry is not None and entry.unclaimed
 
     def held(self) -> int:
@@ -301,65 +285,30 @@ class Broker:
         namespace): what each process has acquired and not yet released."""
         out: dict[int, int] = {}
         with self._lock:
-            self._read_rings()
             for conn, tokens in self._held_over.items():
                 pid = self._peers.get(conn, 0)
                 out[pid] = out.get(pid, 0) + sum(tokens.values())
         return out
 
-    def _acquire(self, conn: int, token: bytes, sends: int) -> None:
-        """An importer's note that it holds ``token``: count it (with the lock). ``sends`` echoes
-        the count of sends again the importer read in the table after taking its lock: a note for
-        an earlier payload (it may arrive after the object was sent again) leaves the new one
-        unclaimed. A token unknown, or let go already (the importer's lock was refused), counts
-        nothing."""
-        entry = self._holds.get(token)
-        if entry is None:
-            return
-        entry.holders[conn] = entry.holders.get(conn, 0) + 1
-        entry.due, entry.retry = None, 0.0
-        if sends >= entry.sends:
-            entry.unclaimed = False
-        tokens = self._held_over.setdefault(conn, {})
-        tokens[token] = tokens.get(token, 0) + 1
-
-    def _read_ring(self, conn: int) -> int:
-        """Count the notes waiting in connection ``conn``'s ring, in order (with the lock); how
-        many there were. A ring whose counts cannot be is read no more, and its connection is
-        ended (the peer's next connection notes its holds as they stand)."""
-        ring = self._rings.get(conn)
-        if ring is None:
-            return 0
-        try:
-            notes = ring.take()
-        except RingError:
-            del self._rings[conn]
-            ring.close()
-            for sock in self._conns:
-                if id(sock) == conn:
-                    with contextlib.suppress(OSError):
-                        sock.shutdown(socket.SHUT_RDWR)  # its thread sees the end
-            return 0
-        sooner = False
-        for release, token, sends in notes:
-            if not release:
-                self._acquire(conn, token, sends)
-                continue
-            tokens = self._held_over.get(conn)
-            if tokens and tokens.get(token):  # else not held over this connection: nothing
-                sooner = self._let_one_go(conn, token, tokens, 1) or sooner
-        if sooner:  # (its grace starts now: a release read late only keeps the object longer)
-            self._due.set()
-        return len(notes)
-
-    def _read_rings(self) -> int:
-        """Count every connection's notes waiting in its ring (with the lock): before the broker
-        acts on who holds what. How many there were."""
-        return sum(self._read_ring(conn) for conn in list(self._rings))
+    def _acquire(self, conn: int, token: bytes, sends: bytes) -> bytes:
+        """An importer's note that it holds ``token``: count it. ``sends`` (8 bytes) echoes the
+        count of sends again the importer read in the table after taking its lock: a note for an
+        earlier payload (it may arrive after the object was sent again) leaves the new one
+        unclaimed."""
+        with self._lock:
+            entry = self._holds.get(token)
+            if entry is None:
+                return NO  # unknown, or let go already (the importer's lock was refused)
+            entry.holders[conn] = entry.holders.get(conn, 0) + 1
+            entry.due, entry.retry = None, 0.0
+            if int.from_bytes(sends[:8], "big") >= entry.sends:
+                entry.unclaimed = False
+            tokens = self._held_over.setdefault(conn, {})
+            tokens[token] = tokens.get(token, 0) + 1
+        return OK
 
     def _release(self, conn: int, token: bytes) -> bytes:
         with self._lock:
-            self._read_ring(conn)  # its acquire's note came first
             tokens = self._held_over.get(conn)
             if not tokens or not tokens.get(token):
                 return NO  # not held over this connection: another process's, or none
@@ -396,10 +345,6 @@ class Broker:
         it)."""
         with self._lock:
             self._peers.pop(conn, None)
-            self._read_ring(conn)  # what it acquired was received: no longer unclaimed
-            ring = self._rings.pop(conn, None)
-            if ring is not None:
-                ring.close()
             tokens = self._held_over.get(conn)
             if not tokens:
                 return
@@ -411,26 +356,20 @@ class Broker:
 
     def _holds_over(self, conn: int) -> bool:
         with self._lock:
-            self._read_ring(conn)
             return bool(self._held_over.get(conn))
 
     def _release_loop(self) -> None:
         """The release thread: lets go of objects once their grace has passed. It is woken only
         for an object due before the look it planned (a release at the default grace is due
         after the objects released before it: no wake-up)."""
-        look = LOOK_S
         while not self._closed and not self._exiting:
             with self._lock:
                 due = min((e.due for e in self._holds.values() if e.due is not None), default=None)
-                if self._rings and self._holds:  # a note in a ring may let something go
-                    at = time.monotonic() + look
-                    due = at if due is None else min(due, at)
                 self._wake_at = math.inf if due is None else due
             self._due.wait(None if due is None else max(0.0, due - time.monotonic()))
             self._due.clear()  # what was set after this is in the table: the next look sees it
             if not self._exiting:
-                # rings that had notes are looked at again soon, quiet ones less and less often
-                look = LOOK_S if self._sweep() else min(LOOK_MAX_S, 2 * look)
+                self._sweep()
 
     def stop_letting_go(self, timeout: float = 2.0) -> None:
         """Stop the release thread (a callback in flight finishes first, for up to ``timeout``
@@ -441,21 +380,12 @@ class Broker:
         if self._letting_go is not threading.current_thread():
             self._letting_go.join(timeout)
 
-    def look(self) -> None:
-        """Read every connection's notes now, and let go of what is due, in the calling thread:
-        what an exporter short of memory does before it gives up (the release thread otherwise
-        reads the rings every :data:`LOOK_S` to :data:`LOOK_MAX_S` seconds)."""
-        self._sweep()
-
-    def _sweep(self) -> int:
+    def _sweep(self) -> None:
         """Let go of objects whose holders all went more than ``grace`` s ago, and which no
-        process holds a lock on (one whose acquire's note is still on its way is kept). How many
-        notes the rings had."""
+        process holds a lock on (one whose acquire's note is still on its way is kept)."""
         now = time.monotonic()
         dropped = []
         with self._lock:
-            noted = self._read_rings()  # an acquire there keeps its object, a release starts
-            now = time.monotonic()  # its grace
             for token, entry in list(self._holds.items()):
                 if entry.due is None or entry.due > now:
                     continue
@@ -479,7 +409,6 @@ class Broker:
             with contextlib.suppress(Exception):  # the exporter's callback must not kill the broker
                 on_release(obj)
             del obj
-        return noted
 
     # ---- a keeper serves on after this process exits ----
     def to_keep(self) -> Kept | None:
@@ -495,7 +424,6 @@ class Broker:
         with self._lock:
             if self._closed:
                 return None
-            self._read_rings()
             kept: list[tuple[bytes, _Hold]] = []
             for token, entry in list(self._holds.items()):
                 keepable = entry.needs is not None and entry.needs in self._keepable
@@ -604,7 +532,6 @@ class Broker:
         ever. An importer refused one later is told that it expired."""
         now = time.monotonic()
         with self._lock:
-            self._read_rings()
             for entry in self._holds.values():
                 if entry.unclaimed and now - entry.since >= after:
                     entry.unclaimed, entry.expired = False, True
@@ -623,10 +550,7 @@ class Broker:
             fds, self._fds = [fd for fd, _ in self._fds.values()], {}
             self._holds.clear()
             self._held_over.clear()
-            rings, self._rings = list(self._rings.values()), {}
             conns, self._conns = list(self._conns.items()), {}
-        for ring in rings:
-            ring.close()
         self._due.set()  # the release thread ends
         if not inherited:  # (a forked child's pipe is its parent's too)
             with contextlib.suppress(OSError):
@@ -714,36 +638,22 @@ class Broker:
         give). False when the connection is done (the peer hung up, sent a malformed request, or
         was silent for :data:`IDLE_S` while nothing was noted as held over it). Raises
         ``TimeoutError`` when a request is not complete :data:`REQUEST_S` after its first byte."""
-        written = self._ring_written(key)
         conn.settimeout(None if self._holds_over(key) else IDLE_S)
-        fds: list[int] = []
         try:
-            try:
-                data, fds = _receive(conn)
-            except TimeoutError:
-                if self._ring_written(key) != written or self._holds_over(key):
-                    return True  # it noted acquires in its ring meanwhile: not idle
-                self._close_idle(conn, key)
+            data = conn.recv(BATCH_BYTES)
+        except TimeoutError:
+            self._close_idle(conn, key)
+            return False
+        if not data:
+            return False
+        whole = len(data) - len(data) % REQUEST_BYTES
+        if whole < len(data):  # the rest of the last request must come within one deadline
+            deadline = time.monotonic() + REQUEST_S
+            data = data[:whole] + recv_by(conn, data[whole:], REQUEST_BYTES, deadline)
+        for at in range(0, len(data), REQUEST_BYTES):
+            if not self._dispatch(conn, key, data[at : at + REQUEST_BYTES]):
                 return False
-            if not data:
-                return False
-            whole = len(data) - len(data) % REQUEST_BYTES
-            if whole < len(data):  # the rest of the last request must come within one deadline
-                deadline = time.monotonic() + REQUEST_S
-                data = data[:whole] + recv_by(conn, data[whole:], REQUEST_BYTES, deadline)
-            for at in range(0, len(data), REQUEST_BYTES):
-                if not self._dispatch(conn, key, data[at : at + REQUEST_BYTES], fds):
-                    return False
-            return not fds  # a descriptor no request came with: the framing is lost
-        finally:
-            for fd in fds:  # (one request takes its own)
-                os.close(fd)
-
-    def _ring_written(self, conn: int) -> int:
-        """How many notes connection ``conn``'s ring says were written (-1: it has none)."""
-        with self._lock:
-            ring = self._rings.get(conn)
-            return -1 if ring is None else ring.written()
+        return True
 
     def _close_idle(self, conn: socket.socket, key: int) -> None:
         """End a silent connection without losing a note: stop its reading first (the peer's
@@ -754,27 +664,22 @@ class Broker:
         while chunk := conn.recv(65536):
             data += chunk
         for at in range(0, len(data) - REQUEST_BYTES + 1, REQUEST_BYTES):
-            if not self._dispatch(conn, key, data[at : at + REQUEST_BYTES], []):
+            if not self._dispatch(conn, key, data[at : at + REQUEST_BYTES]):
                 return
 
-    def _dispatch(self, conn: socket.socket, key: int, request: bytes, fds: list[int]) -> bool:
-        """Handle one request (answer it, or count a note; a ring takes the first of ``fds``);
-        False when the framing is lost."""
+    def _dispatch(self, conn: socket.socket, key: int, request: bytes) -> bool:
+        """Handle one request (answer it, or count a note); False when the framing is lost."""
         conn.settimeout(REQUEST_S)  # the answer, too, is bounded: a peer that never reads
         op, token, check = request[:1], request[1:17], request[17:]
-        if len(request) != REQUEST_BYTES or op not in (FETCH, ACQUIRE, RELEASE, HOLDS_FILE, RING):
+        if len(request) != REQUEST_BYTES or op not in (FETCH, ACQUIRE, RELEASE, HOLDS_FILE):
             conn.sendall(NO, NOSIGNAL)
             return False  # the framing is lost: the peer reconnects
         if op == ACQUIRE:  # notes: not answered
-            with self._lock:
-                self._read_ring(key)  # what its ring holds came first
-                self._acquire(key, token, int.from_bytes(check[:8], "big"))
+            self._acquire(key, token, check)
             return True
         if op == RELEASE:
             self._release(key, token)
             return True
-        if op == RING:  # not answered: a ring that is not one ends the connection
-            return bool(fds) and self._take_ring(key, fds.pop(0))
         if op == HOLDS_FILE:
             with self._lock:  # not while the broker closes (the number may be reused)
                 own = None if self._closed else self._file.reopened()
@@ -801,43 +706,6 @@ class Broker:
         finally:
             os.close(fd)
         return True
-
-    def _take_ring(self, conn: int, fd: int) -> bool:
-        """Read connection ``conn``'s acquires' notes from the ring ``fd`` from now on (taken:
-        closed when it is not one). False when it is not one, or the connection has one."""
-        try:
-            ring = NotesRing.received(fd)
-        except RingError:
-            return False
-        with self._lock:
-            if self._closed or conn in self._rings:
-                ring.close()
-                return False
-            self._rings[conn] = ring
-            idle = self._wake_at == math.inf and bool(self._holds)
-        if idle:  # the release thread now has a ring to look at
-            self._due.set()
-        return True
-
-
-_FDS_SPACE = socket.CMSG_SPACE(4 * struct.calcsize("i"))  # room for a few: more is a peer's fault
-
-
-def _receive(conn: socket.socket) -> tuple[bytes, list[int]]:
-    """What has arrived on ``conn`` (up to :data:`BATCH_BYTES`), and the descriptors that came
-    with it, close-on-exec (a ring comes with its request; Linux ends a read at a message that
-    carries descriptors)."""
-    data, ancillary, flags, _ = conn.recvmsg(BATCH_BYTES, _FDS_SPACE, socket.MSG_CMSG_CLOEXEC)
-    fds: list[int] = []
-    for level, kind, payload in ancillary:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            usable = len(payload) - len(payload) % 4
-            fds.extend(struct.unpack(f"{usable // 4}i", payload[:usable]))
-    if flags & socket.MSG_CTRUNC:  # more descriptors than asked for: the framing is lost
-        for fd in fds:
-            os.close(fd)
-        return b"", []
-    return data, fds
 
 
 def _same(f: Callable[[], None]) -> object:
