@@ -89,11 +89,25 @@ class Soak:
     def buffer(self, i: int):
         from cuda.bindings import driver
 
-        buf = self.pool.allocate(SIZE, stream=self.stream)
+        buf = self.allocate()
         (err,) = driver.cuMemsetD32Async(int(buf.handle), i, SIZE // 4, int(self.stream.handle))
         assert err == driver.CUresult.CUDA_SUCCESS
         self.stream.sync()
         return buf
+
+    def allocate(self):
+        """A new buffer. An arena's sent blocks come back only after their grace: a sender
+        faster than its arena's size over the grace (an H100 through multiprocessing: 1,024
+        blocks in under 0.5 s) waits for one, as a real sender must (documented with
+        ArenaFullError). A pool grows instead."""
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                return self.pool.allocate(SIZE, stream=self.stream)
+            except gpu_serde.ArenaFullError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.001)
 
     def mark(self, name: str) -> None:
         self.marks[name] = (footprint(os.getpid()), footprint(self.receiver))
