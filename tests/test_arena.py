@@ -17,6 +17,7 @@ import time
 import pytest
 from cuda.core import Device
 from memtier import (
+    KEPT,
     check,
     child,
     dask_on,
@@ -567,3 +568,35 @@ def test_a_buffer_closed_behind_simulated_work_comes_back_only_once_that_work_is
         back = time.monotonic()  # one clock for both processes (CLOCK_MONOTONIC)
     assert back >= got["began"] + WORK_MS / 1e3  # not before the child's stream was done
     again.close()
+
+
+def send_behind_simulated_work(_) -> dict:
+    """Job: a sender whose buffer has simulated work queued on its stream (GPU_SERDE_SIM_WORK_MS),
+    sent back while that work is in flight; the arena and the buffer stay here until ``drop``."""
+    from cuda.bindings import driver
+
+    dev = Device(0)
+    dev.set_current()
+    stream = dev.create_stream()
+    arena = KEPT["arena"] = ArenaMemoryResource(dev, 4 << 20)
+    buf = KEPT["buf"] = arena.allocate(arena.size, stream=stream)
+    began = time.monotonic()
+    (err,) = driver.cuMemsetD32Async(int(buf.handle), 3, buf.size // 4, int(stream.handle))
+    assert err == driver.CUresult.CUDA_SUCCESS, err
+    queued = driver.cuStreamQuery(stream.handle)[0] == driver.CUresult.CUDA_ERROR_NOT_READY
+    return {"queued at the send": queued, "began": began, "buf": buf}
+
+
+def test_a_receiver_has_the_buffer_only_once_the_senders_simulated_work_is_done(
+    installed, monkeypatch
+):
+    # the CPU tier's walk of the receiver's wait for its sender's event: an event opened from
+    # another process is busy while the sender's is (the real GPU tier checks bytes instead)
+    gpus = installed
+    with child(monkeypatch, gpus[-1].uuid, GPU_SERDE_SIM_WORK_MS=str(WORK_MS)) as c:
+        got = c.run(send_behind_simulated_work, None)  # unpickled here: the hand-off
+        received = time.monotonic()  # one clock for both processes (CLOCK_MONOTONIC)
+        assert got["queued at the send"]  # else the test means nothing
+        assert received >= got["began"] + WORK_MS / 1e3  # not before the sender's stream was done
+        got["buf"].close()
+        assert c.run(drop, None) is True

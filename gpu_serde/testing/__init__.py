@@ -18,7 +18,9 @@ exporters that freed first. ``GPU_SERDE_SIM_TRACE=1`` prints every failing call.
 ``GPU_SERDE_SIM_WORK_MS=t`` (read when the stand-in loads) makes each async copy or memset
 count as ``t`` ms of work in flight on its stream (its bytes move at once): until then the stream
 and the events recorded behind it are not done, so code that does something else for a busy
-stream runs that path too. An event opened from another process's IPC handle is always complete.
+stream runs that path too. An event opened from another process's IPC handle is busy while the
+sender's is (its done time is in a memory file the opener maps): a receiver waits for its
+sender's work.
 
 It does **not** simulate kernels (no CuPy or PyTorch work), graphs, the CUDA runtime
 (``Device.sync()``, ``Device.pci_bus_id``), peer access (every "GPU" is host memory), managed

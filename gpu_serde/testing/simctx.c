@@ -8,13 +8,19 @@
  * work behind the stream's earlier work: until then the stream and the events recorded behind it
  * report CUDA_ERROR_NOT_READY, and synchronising waits (the bytes have already moved). Event times
  * are host clock readings, meaningless as GPU timings. An IPC event handle names the exporting
- * process and event; opening it elsewhere gives an event that is always complete.
+ * process, the event and a memory file of the event's own where its recordings' done time is kept
+ * (a CLOCK_MONOTONIC reading: one clock for the host's processes); opening it in another process
+ * of the same user maps that file read-only, so the opened event is busy while the exporter's is.
+ * Where the file cannot be opened (another PID namespace), the opened event is always complete.
  */
 #define _GNU_SOURCE
+#include <fcntl.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -369,24 +375,78 @@ struct sim_event {
     uint32_t magic; unsigned flags; int recorded; struct timespec t;
     CUcontext ctx; /* where it was made (or opened) */
     double busy;   /* when the work it was recorded behind is done (under sim_lock) */
+    /* an interprocess event's shared page: [0] the done time (its bits), [1] the exporting
+     * event's address (what an opener checks); NULL without one. fd: the exporter's file. */
+    uint64_t *shared; int fd;
 };
 #define EVENT_MAGIC 0x544e5645u
 #define EV_DISABLE_TIMING 2u
 #define EV_INTERPROCESS 4u
+#define SHARED_BYTES 4096
+#define SHARED_NAME "gpu_serde-sim-event"
 static const char ipc_event_tag[8] = "GSSIMEVT";
 
 static int event_ok(CUevent e) { return e && e->magic == EVENT_MAGIC; }
 
-/* When the work an event was recorded behind is done (0: never recorded, or opened by IPC).
- * Under sim_lock. */
-static double event_busy_locked(CUevent e) { return event_ok(e) ? e->busy : 0; }
+static double shared_busy(const uint64_t *page) {
+    uint64_t bits = __atomic_load_n(page, __ATOMIC_ACQUIRE);
+    double when;
+    memcpy(&when, &bits, sizeof when);
+    return isfinite(when) ? when : 0; /* a page that says nonsense is no wait */
+}
+
+/* When the work an event was recorded behind is done (0: never recorded; an event opened from
+ * another process: when the exporter's is). Under sim_lock. */
+static double event_busy_locked(CUevent e) {
+    if (!event_ok(e)) return 0;
+    return e->shared ? shared_busy(e->shared) : e->busy;
+}
 
 static double event_busy(CUevent e) {
+    if (event_ok(e) && e->shared) return shared_busy(e->shared); /* the exporter's work setting */
     if (work <= 0) return 0;
     pthread_mutex_lock(&sim_lock);
     double when = event_busy_locked(e);
     pthread_mutex_unlock(&sim_lock);
     return when;
+}
+
+/* An interprocess event's page, in a memory file of its own that openers map (-1: none to be
+ * had, and openers see the event complete). */
+static void share_event(struct sim_event *e) {
+    e->fd = -1;
+    int fd = memfd_create(SHARED_NAME, MFD_CLOEXEC);
+    if (fd < 0) return;
+    void *page = MAP_FAILED;
+    if (ftruncate(fd, SHARED_BYTES) == 0)
+        page = mmap(NULL, SHARED_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (page == MAP_FAILED) { close(fd); return; }
+    e->shared = page;
+    e->shared[1] = (uintptr_t)e;
+    e->fd = fd;
+}
+
+/* The exporter's page of an event it named in a handle, mapped read-only; NULL when it cannot be
+ * (gone, another PID namespace, or not that event's page any more). */
+static uint64_t *open_shared(int32_t pid, int32_t fd, uint64_t addr) {
+    if (fd < 0) return NULL;
+    char path[64], target[128];
+    snprintf(path, sizeof path, "/proc/%d/fd/%d", (int)pid, (int)fd);
+    ssize_t n = readlink(path, target, sizeof target - 1);
+    if (n < 0) return NULL;
+    target[n] = 0;
+    if (strncmp(target, "/memfd:" SHARED_NAME, strlen("/memfd:" SHARED_NAME)) != 0) return NULL;
+    int own = open(path, O_RDONLY | O_CLOEXEC);
+    if (own < 0) return NULL;
+    struct stat st;
+    void *page = MAP_FAILED;
+    if (fstat(own, &st) == 0 && st.st_size == SHARED_BYTES)
+        page = mmap(NULL, SHARED_BYTES, PROT_READ, MAP_SHARED, own, 0);
+    close(own);
+    if (page == MAP_FAILED) return NULL;
+    uint64_t *shared = page;
+    if (shared[1] != addr) { munmap(page, SHARED_BYTES); return NULL; } /* another event's */
+    return shared;
 }
 
 CUresult cuEventCreate(CUevent *out, unsigned flags) {
@@ -398,6 +458,8 @@ CUresult cuEventCreate(CUevent *out, unsigned flags) {
     e->magic = EVENT_MAGIC;
     e->flags = flags;
     e->ctx = sim_current_ctx();
+    e->fd = -1;
+    if (flags & EV_INTERPROCESS) share_event(e);
     *out = e;
     return SUCCESS;
 }
@@ -413,6 +475,11 @@ CUresult cuEventRecord(CUevent e, CUstream s) {
     if (work > 0) {
         pthread_mutex_lock(&sim_lock);
         e->busy = ready_locked(s);
+        if (e->shared && e->fd >= 0) { /* the exporter's own: its openers read it */
+            uint64_t bits;
+            memcpy(&bits, &e->busy, sizeof bits);
+            __atomic_store_n(e->shared, bits, __ATOMIC_RELEASE);
+        }
         pthread_mutex_unlock(&sim_lock);
     }
     return SUCCESS;
@@ -432,6 +499,8 @@ CUresult cuEventQuery(CUevent e) {
 CUresult cuEventDestroy_v2(CUevent e) {
     if (!event_ok(e)) return sim_fail(INVALID_HANDLE, __func__);
     e->magic = 0;
+    if (e->shared) munmap(e->shared, SHARED_BYTES);
+    if (e->fd >= 0) close(e->fd);
     free(e);
     return SUCCESS;
 }
@@ -450,10 +519,11 @@ CUresult cuIpcGetEventHandle(CUipcEventHandle *h, CUevent e) {
     if (!event_ok(e)) return sim_fail(INVALID_HANDLE, __func__);
     if (!(e->flags & EV_INTERPROCESS)) return sim_fail(INVALID_VALUE, __func__);
     memset(h, 0, sizeof *h);
-    int32_t pid = getpid();
+    int32_t pid = getpid(), fd = e->fd;
     uint64_t addr = (uintptr_t)e;
     memcpy(h->reserved, ipc_event_tag, 8);
     memcpy(h->reserved + 8, &pid, 4);
+    memcpy(h->reserved + 12, &fd, 4);
     memcpy(h->reserved + 16, &addr, 8);
     return SUCCESS;
 }
@@ -462,8 +532,11 @@ CUresult cuIpcGetEventHandle(CUipcEventHandle *h, CUevent e) {
 CUresult cuIpcOpenEventHandle(CUevent *out, CUipcEventHandle h) {
     if (!out) return sim_fail(INVALID_VALUE, __func__);
     if (!sim_current_ctx()) return sim_fail(INVALID_CONTEXT, __func__);
-    int32_t pid;
+    int32_t pid, fd;
+    uint64_t addr;
     memcpy(&pid, h.reserved + 8, 4);
+    memcpy(&fd, h.reserved + 12, 4);
+    memcpy(&addr, h.reserved + 16, 8);
     if (memcmp(h.reserved, ipc_event_tag, 8) != 0) return sim_fail(INVALID_VALUE, __func__);
     if (pid == getpid()) return sim_fail(INVALID_CONTEXT, __func__); /* no self-import */
     struct sim_event *e = calloc(1, sizeof *e);
@@ -472,6 +545,8 @@ CUresult cuIpcOpenEventHandle(CUevent *out, CUipcEventHandle h) {
     e->flags = EV_INTERPROCESS | EV_DISABLE_TIMING;
     e->recorded = 1;
     e->ctx = sim_current_ctx();
+    e->fd = -1; /* the page is the exporter's: mapped here, not written */
+    e->shared = open_shared(pid, fd, addr);
     *out = e;
     return SUCCESS;
 }
