@@ -254,8 +254,10 @@ def test_a_keeper_log_that_cannot_be_used_is_said_and_the_keeper_serves_all_the_
         "relative": "is not an absolute path",
         "home": "is not an absolute path (~ is not expanded",
     }.get(log, "is not a regular file")
-    # said when the process first sent memory (a warning), and again at its exit
-    assert "UserWarning: GPU_SERDE_KEEPER_LOG: " in done.stderr
+    # said when the process first sent memory (a warning at the line that sent it, not in
+    # gpu_serde), and again at its exit
+    sends = 1 + next(i for i, line in enumerate(SEND_AND_EXIT.splitlines()) if "dumps" in line)
+    assert f"<string>:{sends}: UserWarning: GPU_SERDE_KEEPER_LOG: " in done.stderr, done.stderr
     assert "gpu_serde: GPU_SERDE_KEEPER_LOG: " in done.stderr and why in done.stderr
     assert "the keeper logs nothing: name a regular file" in done.stderr
     buf = pickle.loads(bytes.fromhex(done.stdout.split()[0]))

@@ -186,14 +186,17 @@ def _layout(uuids: list[str]) -> dict[str, str]:
 
 
 def _table(rows: list[Row]) -> None:
-    _say(
-        f"\n{'worker':<10} {'CUDA_VISIBLE_DEVICES (abbreviated)':<44} {'ordinal':>7}  UUID received"
-    )
-    for name, (status, cvd, ordinal, what) in rows:
-        if status != "ok":
-            continue
-        short = ",".join(e[:12] for e in cvd.split(",")) if cvd != "unset" else cvd
-        _say(f"{name:<10} {short:<44} {ordinal:>7}  {what}")
+    shown = [
+        (name, ",".join(e[:12] for e in cvd.split(",")) if cvd != "unset" else cvd, ordinal, what)
+        for name, (status, cvd, ordinal, what) in rows
+        if status == "ok"
+    ]
+    head = "CUDA_VISIBLE_DEVICES (abbreviated)"
+    wide = max([len(head), *(len(short) for _, short, _, _ in shown)])  # columns line up
+    named = max([len("worker"), *(len(name) for name, _, _, _ in shown)])
+    _say(f"\n{'worker':<{named}} {head:<{wide}} {'ordinal':>7}  UUID received")
+    for name, short, ordinal, what in shown:
+        _say(f"{name:<{named}} {short:<{wide}} {ordinal:>7}  {what}")
     routed = [name for name, (status, *_) in rows if name.startswith("on() ") and status == "ok"]
     if routed:
         _say(

@@ -43,6 +43,7 @@ import stat
 import subprocess
 import sys
 import time
+import types
 import warnings
 from typing import Any
 
@@ -261,6 +262,17 @@ def _hand_off_at_exit() -> None:
         )
 
 
+def _callers_level() -> int:
+    """The ``stacklevel`` (for a warning raised by this function's caller) of the first frame
+    outside gpu_serde: the user's line that first sent memory, not gpu_serde's own."""
+    package = os.path.join(_package_root(), "gpu_serde") + os.sep
+    frame: types.FrameType | None = sys._getframe(2)  # (1: the caller, which warns)
+    level = 2
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
+
+
 def _on_broker_start() -> None:
     """When this process's broker starts: check ``GPU_SERDE_KEEP_S`` and
     ``GPU_SERDE_KEEPER_LOG`` now (warnings, not failures: sending must not fail), and hook the
@@ -269,11 +281,13 @@ def _on_broker_start() -> None:
     try:
         keep_s()
     except ValueError as exc:
-        warnings.warn(f"{exc}: no keeper will serve what this process sends", stacklevel=2)
+        warnings.warn(
+            f"{exc}: no keeper will serve what this process sends", stacklevel=_callers_level()
+        )
     log = os.environ.get(LOG_VARIABLE)
     problem = _log_problem(log) if log else None
     if problem is not None:
-        warnings.warn(f"{LOG_VARIABLE}: {problem}; {_LOG_FIX}", stacklevel=2)
+        warnings.warn(f"{LOG_VARIABLE}: {problem}; {_LOG_FIX}", stacklevel=_callers_level())
     multiprocessing.util.Finalize(None, _hand_off_at_exit, exitpriority=0)
 
 
