@@ -108,6 +108,7 @@ def send_and_exit(tier, kinds: str, **env: str) -> list[bytes]:
     payloads, once it has exited."""
     done = run_exporter(tier, kinds, **env)
     assert "could not be handed" not in done.stderr, done.stderr
+    assert "keeper process" not in done.stderr  # not a terminal (a worker's log): nothing said
     return [bytes.fromhex(h) for h in done.stdout.split()]
 
 
@@ -125,6 +126,54 @@ def test_a_buffer_sent_just_before_its_exporter_exits_arrives_with_its_bytes(gpu
     # the receiver let go: the keeper lets go too, and ends (the memory goes with its
     # descriptors once this process unmaps it)
     assert wait_until(lambda: not (keepers() & new), timeout=30)
+
+
+def read_terminal(master: int) -> str:
+    """What was written to a pseudo-terminal whose other end is closed."""
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # EIO: all read, and no writer left
+            break
+        if not chunk:
+            break
+        out += chunk
+    return out.decode(errors="replace")
+
+
+def test_an_exporter_run_at_a_terminal_says_which_keeper_serves_what_it_sent(gpu, tier):
+    import pty
+
+    before = keepers()
+    master, terminal = pty.openpty()
+    try:
+        environ = dict(os.environ, CUDA_VISIBLE_DEVICES=tier.uuid, **MARK)
+        environ.pop("GPU_SERDE_KEEPER_LOG", None)
+        done = subprocess.run(
+            [sys.executable, "-c", SEND_AND_EXIT, "arena", TESTS, str(tier.size)],
+            stdout=subprocess.PIPE,
+            stderr=terminal,
+            text=True,
+            env=environ,
+            timeout=120,
+        )
+        os.close(terminal)
+        terminal = -1
+        said = read_terminal(master)
+    finally:
+        if terminal >= 0:
+            os.close(terminal)
+        os.close(master)
+    assert exited_cleanly(done.returncode), said
+    new = keepers() - before
+    assert len(new) == 1
+    assert f"gpu_serde: keeper process {new.pop()} serves the GPU memory" in said, said
+    buf = pickle.loads(bytes.fromhex(done.stdout.split()[0]))
+    assert check(buf)["ok"]
+    buf.close()
+    del buf
+    assert wait_until(lambda: not (keepers() - before), timeout=30)
 
 
 def test_an_exporter_without_stdin_and_with_many_descriptors_hands_off_too(gpu, tier):

@@ -254,12 +254,28 @@ def _hand_off_at_exit() -> None:
         if keep <= 0:
             return
         b.stop_letting_go()
-        hand_off(b, keep)
+        pid = hand_off(b, keep)
+        if pid is not None and _at_a_terminal():
+            # someone who ran a script by hand sees why a process of gpu_serde's lives on (a
+            # worker's log, not a terminal, is left alone: keepers are routine there)
+            _tell(
+                f"gpu_serde: keeper process {pid} serves the GPU memory this process sent until "
+                f"its receivers let go, and what no process has received yet for {keep:g} s "
+                f"(GPU_SERDE_KEEP_S; 0: no keeper; its log: {LOG_VARIABLE})"
+            )
     except Exception as exc:  # said, never raised: the process is ending
         _tell(
             f"gpu_serde: the memory this process sent could not be handed to a keeper ({exc}); "
             "receivers that have not yet taken it get ExporterGoneError"
         )
+
+
+def _at_a_terminal() -> bool:
+    """True when this process's stderr is a terminal and no keeper log is asked for."""
+    try:
+        return os.isatty(2) and not os.environ.get(LOG_VARIABLE)
+    except OSError:
+        return False
 
 
 def _callers_level() -> int:
