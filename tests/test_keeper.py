@@ -103,6 +103,19 @@ def run_exporter(tier, kinds: str, code: str = SEND_AND_EXIT, **env: str):
     return done
 
 
+def arena_exporter_to(tier, stderr: int, environ: dict[str, str]):
+    """Run an exporter that sends one arena buffer and exits, its stderr the descriptor
+    ``stderr``; what it did (its payload on stdout)."""
+    return subprocess.run(
+        [sys.executable, "-c", SEND_AND_EXIT, "arena", TESTS, str(tier.size)],
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        env=environ,
+        timeout=120,
+    )
+
+
 def send_and_exit(tier, kinds: str, **env: str) -> list[bytes]:
     """Run an exporter that sends one buffer of each kind (comma-separated) and exits; its
     payloads, once it has exited."""
@@ -150,14 +163,7 @@ def test_an_exporter_run_at_a_terminal_says_which_keeper_serves_what_it_sent(gpu
     try:
         environ = dict(os.environ, CUDA_VISIBLE_DEVICES=tier.uuid, **MARK)
         environ.pop("GPU_SERDE_KEEPER_LOG", None)
-        done = subprocess.run(
-            [sys.executable, "-c", SEND_AND_EXIT, "arena", TESTS, str(tier.size)],
-            stdout=subprocess.PIPE,
-            stderr=terminal,
-            text=True,
-            env=environ,
-            timeout=120,
-        )
+        done = arena_exporter_to(tier, terminal, environ)
         os.close(terminal)
         terminal = -1
         said = read_terminal(master)
@@ -325,14 +331,7 @@ def test_an_exporter_whose_stderr_is_gone_still_hands_off_with_a_bad_keeper_log(
     r, w = os.pipe()
     os.close(r)  # a write to w fails (EPIPE; SIGPIPE is ignored in Python)
     try:
-        done = subprocess.run(
-            [sys.executable, "-c", SEND_AND_EXIT, "arena", TESTS, str(tier.size)],
-            stdout=subprocess.PIPE,
-            stderr=w,
-            text=True,
-            env=environ,
-            timeout=120,
-        )
+        done = arena_exporter_to(tier, w, environ)
     finally:
         os.close(w)
     assert exited_cleanly(done.returncode)
