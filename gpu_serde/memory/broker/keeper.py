@@ -272,10 +272,7 @@ def _hand_off_at_exit() -> None:
 
 def _at_a_terminal() -> bool:
     """True when this process's stderr is a terminal and no keeper log is asked for."""
-    try:
-        return os.isatty(2) and not os.environ.get(LOG_VARIABLE)
-    except OSError:
-        return False
+    return os.isatty(2) and not os.environ.get(LOG_VARIABLE)
 
 
 def _callers_level() -> int:
