@@ -169,6 +169,32 @@ def drop(_: Any) -> bool:
     return True
 
 
+#: GPU clock cycles of ``torch.cuda._sleep`` that keep a stream busy for a second or more
+BUSY_CYCLES = 1 << 32
+
+
+def busy_then_drop(where: str) -> bool:
+    """Job: on torch's current stream (``"the current stream"``) or a side stream, queue a
+    second or more of GPU work and then a read of what :func:`keep` kept; drop it at once."""
+    import torch
+
+    x = KEPT.pop("x")
+    here = torch.cuda.current_stream(x.device)
+    stream = here if where == "the current stream" else torch.cuda.Stream(x.device)
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(BUSY_CYCLES)
+        KEPT["read"] = x.sum()  # reads x once the sleep is done
+    KEPT["stream"] = stream
+    del x
+    gc.collect()
+    return True
+
+
+def still_busy(_: Any) -> bool:
+    """Job: True while the stream :func:`busy_then_drop` used has work left."""
+    return not KEPT["stream"].query()
+
+
 @contextlib.contextmanager
 def child(monkeypatch: Any, uuid: str, **env: str) -> Iterator[Any]:
     """memtier's spawned receiver that sees only the GPU ``uuid`` (its ordinal 0): yields its

@@ -21,8 +21,9 @@ import time
 import warnings
 
 import pytest
-from memtier import Tier, dask_on, ray_by_value, ray_get, ray_on
+from memtier import Tier, dask_on, ray_by_value, ray_get, ray_on, wait_until
 from tensortier import (
+    busy_then_drop,
     cases,
     child,
     describe,
@@ -35,6 +36,7 @@ from tensortier import (
     loads_and_describe,
     loads_and_error,
     same,
+    still_busy,
 )
 
 import gpu_serde
@@ -243,6 +245,28 @@ def test_the_sender_may_drop_its_tensor_and_empty_torchs_cache_right_after_sendi
         run(drop, None)
     assert pickle.loads(first["values"]).equal(want[0])
     assert pickle.loads(later["values"]).equal(want[0])
+
+
+@pytest.mark.parametrize("where", ["the current stream", "a side stream"])
+def test_a_dropped_shared_tensor_goes_back_only_once_the_work_on_every_stream_is_done(
+    gpu, monkeypatch, where
+):
+    from cuda.core import Device
+
+    from gpu_serde.memory import lifetime
+
+    ordinal, uuid = gpu
+    monkeypatch.setattr(lifetime, "RELEASE_GRACE_S", 0.0)  # held_bytes then counts holds only
+    arena = gpu_serde.ArenaMemoryResource(Device(ordinal), 4 << 20)
+    x = gpu_serde.tensors.empty((1 << 18,), torch.float32, ordinal, arena=arena)
+    with child(monkeypatch, uuid) as run:
+        run(keep, gpu_serde.share(x))
+        assert arena.held_bytes >= x.nbytes
+        run(busy_then_drop, where)  # dropped at once, a read of it still queued
+        assert wait_until(lambda: arena.held_bytes == 0, 60)
+        busy_when_given_back = run(still_busy, None)
+    # nobody said which stream read it last: the whole device, side streams too, is waited for
+    assert not busy_when_given_back
 
 
 def test_a_shared_copy_survives_the_sender_dropping_the_original_before_it_is_received(

@@ -179,8 +179,12 @@ def over(buf: Any, meta: MetaPayload, ordinal: int) -> Any:
     if count == 0 or meta.numel == 0:
         t = torch.empty_strided(meta.shape, meta.strides, dtype=dtype, device=device)
         return finish(t, meta)
-    with torch.cuda.device(ordinal):
-        raw = torch.as_tensor(Window(buf, int(buf.handle), count * meta.itemsize), device=device)
+    window = Window(buf, int(buf.handle), count * meta.itemsize)
+    if torch.cuda.current_device() == ordinal:  # the common case: no switch there and back
+        raw = torch.as_tensor(window, device=device)
+    else:  # torch makes no context on its current GPU for a tensor on another
+        with torch.cuda.device(ordinal):
+            raw = torch.as_tensor(window, device=device)
     flat = raw if dtype == torch.uint8 else raw.view(dtype)
     return finish(flat.as_strided(meta.shape, meta.strides, meta.offset), meta)
 
