@@ -51,7 +51,7 @@ _identity: tuple[bytes, str] | None = None
 def _read() -> tuple[bytes, str]:
     global _identity
     if _identity is None:
-        label = os.environ.get(HOST_ENV)
+        label = os.environ.get(HOST_ENV) or None  # empty: unset
         _identity = (_boot_id(), "") if label is None else (label_identity(label), label)
     return _identity
 

@@ -104,7 +104,16 @@ def test_an_unreachable_scheduler_is_one_line():
     done = gpu_serde_cli("doctor", "--scheduler", "tcp://127.0.0.1:9", "--timeout", "2")
     assert done.returncode == 2
     (line,) = done.stderr.strip().splitlines()
-    assert line.startswith("gpu-serde: doctor: cannot reach the cluster at tcp://127.0.0.1:9")
+    assert line.startswith("gpu-serde: doctor: cannot reach the cluster at 'tcp://127.0.0.1:9'")
+
+
+def test_an_address_that_is_no_address_is_one_line_with_what_was_wrong_escaped():
+    done = gpu_serde_cli("doctor", "--scheduler", "garbage\x1b[31m", "--timeout", "5")
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("gpu-serde: doctor: ")
+    assert "'garbage\\x1b[31m'" in line  # the ESC shown escaped, never raw
+    assert "\x1b" not in line
 
 
 def test_a_negative_expect_is_refused_by_the_parser():
@@ -164,7 +173,7 @@ def test_a_ray_address_where_nothing_listens_is_said_at_once():
     done = gpu_serde_cli("doctor", "--ray", address, "--timeout", "5")
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        f"gpu-serde: doctor: cannot reach the cluster at {address}: nothing answers there "
+        f"gpu-serde: doctor: cannot reach the cluster at '{address}': nothing answers there "
         "(Connection refused): is the cluster running? `ray start --head` prints its address "
         "(host:port of the GCS, port 6379 unless --port says otherwise)"
     ]

@@ -51,6 +51,7 @@ from cuda.bindings import driver as cuda_driver
 from cuda.core import Buffer, Device, EventOptions, MemoryResource, Stream
 
 from gpu_serde import inventory as _inventory
+from gpu_serde import settings
 from gpu_serde.errors import HandoffError, OtherHostError
 from gpu_serde.format.device import decode_device
 from gpu_serde.hostid import host_id
@@ -64,7 +65,9 @@ from gpu_serde.text import quoted
 #: (a Dask scheduler, a Ray task passing it on) that imported and dropped it does not free it
 #: under the next importer. The environment variable is read when gpu_serde is imported; this
 #: attribute at each export.
-RELEASE_GRACE_S = float(os.environ.get("GPU_SERDE_RELEASE_GRACE_S", "5"))
+RELEASE_GRACE_S = settings.number(
+    "GPU_SERDE_RELEASE_GRACE_S", 5.0, "a number of seconds, 0 or more"
+)
 #: Seconds without a release after which an importer unmaps the memory it has freed. The driver
 #: unmaps freed imported memory lazily, at this process's next synchronisation (any stream): until
 #: then, a buffer sent again from the same pool memory maps at no cost; after it, the unmapping

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import os
 import sys
 import threading
 import warnings
@@ -32,7 +31,7 @@ from typing import Any
 from cuda.bindings import driver
 from cuda.core import Buffer, Device
 
-from gpu_serde import wire
+from gpu_serde import settings, wire
 from gpu_serde.errors import ArenaFullError, HandoffError
 from gpu_serde.format.device import VERSION
 from gpu_serde.format.tensor import MetaPayload, decode_meta, decode_tshr
@@ -44,7 +43,19 @@ from gpu_serde.tensors.common import NAMES, need
 
 #: Bytes of each arena :func:`share` and :func:`~gpu_serde.tensors.empty` make on a GPU when
 #: none was given (more are made as they fill; a larger object gets one of its own size).
-ARENA_BYTES = int(os.environ.get("GPU_SERDE_SHARE_ARENA_MIB", "1024")) << 20
+ARENA_BYTES = (
+    int(
+        settings.number(
+            "GPU_SERDE_SHARE_ARENA_MIB",
+            1024,
+            "a whole number of MiB, 1 to 2**30",
+            integer=True,
+            low=1,
+            high=1 << 30,
+        )
+    )
+    << 20
+)
 _MODULES = {"torch": "gpu_serde.tensors.torch", "cupy": "gpu_serde.tensors.cupy"}
 
 

@@ -78,6 +78,7 @@ def _devices(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
+    from gpu_serde.text import quoted, safe
     from gpu_serde.tools import doctor
 
     try:
@@ -89,7 +90,10 @@ def _doctor(args: argparse.Namespace) -> int:
             survey = doctor.survey_dask(args.scheduler, timeout=args.timeout, expect=args.expect)
     except (ConnectionError, OSError, TimeoutError, asyncio.TimeoutError) as exc:  # 3.10: two kinds
         where = args.ray or args.scheduler
-        return _fail(f"doctor: cannot reach the cluster at {where}: {exc}")
+        return _fail(f"doctor: cannot reach the cluster at {quoted(where)}: {safe(str(exc))}")
+    except ValueError as exc:  # distributed and Ray refuse a malformed address so
+        where = args.ray or args.scheduler
+        return _fail(f"doctor: {quoted(where)} is not a cluster's address: {safe(str(exc))}")
     if args.json:
         print(json.dumps(survey.to_json(), indent=2))
     else:

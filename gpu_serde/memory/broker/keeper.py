@@ -47,7 +47,9 @@ import types
 import warnings
 from typing import Any
 
+from gpu_serde import settings
 from gpu_serde.memory.broker import holdsfile, server
+from gpu_serde.text import quoted
 
 #: Seconds a keeper keeps a payload that no importer has claimed, from the exporter's exit
 #: (``GPU_SERDE_KEEP_S``; 0: no keeper, what an exiting exporter holds goes with it). Read at
@@ -65,17 +67,17 @@ def keep_s() -> float:
     """:data:`KEEP_S`, or ``GPU_SERDE_KEEP_S`` when it is set.
 
     Raises:
-        ValueError: ``GPU_SERDE_KEEP_S`` is not a number of seconds (0 or more).
+        ValueError: ``GPU_SERDE_KEEP_S`` is not a number of seconds (0 or more, finite: a
+            keeper that never ends is refused).
     """
-    raw = os.environ.get("GPU_SERDE_KEEP_S")
-    if raw is None:
+    raw = os.environ.get("GPU_SERDE_KEEP_S", "")
+    if not raw.strip():  # unset or empty
         return KEEP_S
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = -1.0
-    if not seconds >= 0:  # NaN too
-        raise ValueError(f"GPU_SERDE_KEEP_S={raw!r} is not a number of seconds (0 or more)")
+    seconds = settings.parse(raw)
+    if seconds is None:
+        raise ValueError(
+            f"GPU_SERDE_KEEP_S={quoted(raw)} is not a number of seconds (0 or more, finite)"
+        )
     return seconds
 
 
