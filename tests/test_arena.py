@@ -121,6 +121,12 @@ def test_a_wrong_argument_says_what_it_takes(installed, device, size, says):
         ArenaMemoryResource(device, size)
 
 
+@pytest.mark.parametrize(("size", "says"), [(0, "must be positive"), (2**70, "larger than any")])
+def test_a_size_no_gpu_could_have_is_a_value_error(installed, size, says):
+    with pytest.raises(ValueError, match=says):
+        ArenaMemoryResource(0, size)
+
+
 def test_a_full_arena_raises_arena_full_error_that_says_how_big_to_make_it(gpu, tier):
     arena = ArenaMemoryResource(gpu, tier.size)
     kept = arena.allocate(tier.size // 2)

@@ -179,6 +179,24 @@ def test_empty_where_torch_has_no_gpu_says_so(installed):
         gpu_serde.tensors.empty((2, 3))
 
 
+@pytest.mark.parametrize(
+    ("args", "error", "says"),
+    [
+        (("x",), TypeError, "torch.Size"),
+        (((2,), "x"), TypeError, "dtype"),
+        (((2,), None, "cpu"), ValueError, "GPU memory, not cpu"),
+        (((2,), None, "garbage\x1b"), ValueError, r"'garbage\\x1b' names no torch device"),
+        (((2,), None, -1), ValueError, "0 or more"),
+        (((2,), None, True), TypeError, "device must be"),
+    ],
+)
+def test_empty_says_what_is_wrong_with_its_arguments_before_that_torch_has_no_gpu(
+    installed, args, error, says
+):
+    with pytest.raises(error, match=says):
+        gpu_serde.tensors.empty(*args)
+
+
 def test_to_arena_of_a_module_with_no_tensor_returns_it_as_it_was():
     relu = torch.nn.ReLU()
     assert gpu_serde.tensors.to_arena(relu) is relu

@@ -96,7 +96,7 @@ def version_error(kind: str, version: object, payload: object) -> PayloadError:
     (or, for a version no gpu_serde would write, one that is no gpu_serde payload)."""
     if not (type(version) is int and 0 < version <= LIKELY_VERSIONS):
         return fail(
-            f"not a {kind} payload of any gpu_serde version (it starts with "
+            f"not {_a(kind)} payload of any gpu_serde version (it starts with "
             f"{_safe_repr(version)}, not a version): the pickle was made by something else, or "
             "damaged on its way",
             payload,
@@ -109,6 +109,11 @@ def version_error(kind: str, version: object, payload: object) -> PayloadError:
     )
 
 
+def _a(kind: str) -> str:
+    """``kind`` with its article: "an arena buffer", "a pool"."""
+    return ("an " if kind[:1] in "aeiou" else "a ") + kind
+
+
 def fields(kind: str, p: object, n: int) -> tuple[Any, ...]:
     """``p`` as a tuple of ``n`` fields whose first is this version: how every tuple payload
     (memory, tensors) starts its validation.
@@ -117,13 +122,13 @@ def fields(kind: str, p: object, n: int) -> tuple[Any, ...]:
         PayloadError: not a tuple, not of this version, or not ``n`` fields.
     """
     if type(p) is not tuple or not p:
-        raise fail(f"a {kind} payload is a tuple of {n} fields", p)
+        raise fail(f"{_a(kind)} payload is a tuple of {n} fields", p)
     if type(p[0]) is not int:
-        raise fail(f"a {kind} payload starts with its version, an int", p)
+        raise fail(f"{_a(kind)} payload starts with its version, an int", p)
     if p[0] != VERSION:
         raise version_error(kind, p[0], p)
     if len(p) != n:
-        raise fail(f"a {kind} payload is a tuple of {n} fields", p)
+        raise fail(f"{_a(kind)} payload is a tuple of {n} fields", p)
     return p
 
 

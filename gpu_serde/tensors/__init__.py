@@ -42,6 +42,7 @@ from gpu_serde.memory.arena import ArenaMemoryResource
 from gpu_serde.tensors.lazy import when_imported
 from gpu_serde.tensors.sharing import Shared, SharedCopyWarning, allocate, module, share
 from gpu_serde.tensors.values import place
+from gpu_serde.text import quoted, safe
 
 __all__ = [
     "Shared",
@@ -84,8 +85,27 @@ def _register(entries: list[tuple[str, tuple[str, str, str]]], library: ModuleTy
 
 
 def _ordinal(device: Any) -> int:
+    """This process's ordinal of ``device`` for gpu_serde memory: what it names is checked
+    first, then that torch here has a GPU.
+
+    Raises:
+        TypeError, ValueError: ``device`` names no device, or not a GPU.
+        DeviceNotVisibleError: torch here has no GPU.
+    """
     import torch
 
+    named: Any = None
+    if isinstance(device, bool):
+        raise TypeError("device must be a torch.device, a device string, an ordinal or a Device")
+    if device is not None and not isinstance(device, int) and not hasattr(device, "device_id"):
+        try:
+            named = torch.device(device)
+        except (RuntimeError, TypeError, ValueError) as exc:
+            raise ValueError(f"{quoted(device)} names no torch device ({safe(str(exc))})") from None
+        if named.type != "cuda":
+            raise ValueError(f"gpu_serde memory is GPU memory, not {named.type}")
+    if isinstance(device, int) and device < 0:
+        raise ValueError(f"a GPU's ordinal is 0 or more, not {device}")
     if not torch.cuda.is_available():
         raise DeviceNotVisibleError(
             "gpu_serde memory is GPU memory, and torch here has no GPU (torch.cuda.is_available() "
@@ -96,12 +116,9 @@ def _ordinal(device: Any) -> int:
         return int(torch.cuda.current_device())
     if isinstance(device, int):
         return device
-    if hasattr(device, "device_id"):  # a cuda.core Device
+    if named is None:  # a cuda.core Device
         return int(device.device_id)
-    d = torch.device(device)
-    if d.type != "cuda":
-        raise ValueError(f"gpu_serde memory is GPU memory, not {d.type}")
-    return int(torch.cuda.current_device() if d.index is None else d.index)
+    return int(torch.cuda.current_device() if named.index is None else named.index)
 
 
 def empty(
@@ -121,12 +138,14 @@ def empty(
 
     Raises:
         ArenaFullError: ``arena`` has no free block that large.
+        TypeError: ``shape`` or ``dtype`` is not one (torch's own error).
         ValueError: ``device`` is not a GPU, or ``arena`` is on another GPU.
         DeviceNotVisibleError: torch here has no GPU (a CPU-only build, or none visible).
     """
     m = module("torch")
+    nbytes = m.nbytes_of(shape, dtype)  # a shape or dtype that is none: torch's TypeError first
     ordinal = _ordinal(device)
-    buf = allocate(ordinal, m.nbytes_of(shape, dtype), arena)
+    buf = allocate(ordinal, nbytes, arena)
     return m.empty(shape, dtype, buf, ordinal)
 
 

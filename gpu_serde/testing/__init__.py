@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpu_serde.hostid import HOST_ENV
+from gpu_serde.hostid import HOST_ENV, label_identity
 from gpu_serde.identity import canonical_uuid
 
 __all__ = [
@@ -410,8 +410,9 @@ def spec_cluster_options(
     Raises:
         ImportError: distributed is not installed (gpu_serde's ``dask`` extra).
         TypeError, ValueError: ``layout`` is not a non-empty dict of worker names to
-            ``CUDA_VISIBLE_DEVICES`` (a string, an ordinal, or a list of UUIDs and ordinals), or
-            ``nthreads`` is not a positive int.
+            ``CUDA_VISIBLE_DEVICES`` (a string, an ordinal, or a list of UUIDs and ordinals),
+            ``nthreads`` is not a positive int, or ``hosts`` names a worker the layout does not
+            have or gives a label that is not a host label.
     """
     from distributed import Nanny, Scheduler  # only for those who start a Dask cluster
 
@@ -439,6 +440,13 @@ def spec_cluster_options(
                 '("" for no GPU), not None'
             )
         visible[name] = value
+    for name, label in (hosts or {}).items():
+        if name not in layout:
+            raise ValueError(
+                f"spec_cluster_options(hosts=...): {name!r} is not a worker of the layout "
+                f"({', '.join(map(repr, layout))})"
+            )
+        label_identity(label)  # ValueError: not a host label
     workers = {
         name: {
             "cls": Nanny,
@@ -466,8 +474,11 @@ def ray_node_options(
 
     Raises:
         TypeError: ``visible`` is neither a string nor a list of UUIDs and ordinals.
+        ValueError: ``host`` is not a host label.
     """
     value = _visible_value(visible, "ray_node_options(visible=...)")
+    if host is not None:
+        label_identity(host)
     if value is None:
         raise TypeError("ray_node_options(visible=...): the node's CUDA_VISIBLE_DEVICES, not None")
     env = {"CUDA_VISIBLE_DEVICES": value}

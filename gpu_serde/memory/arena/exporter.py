@@ -37,7 +37,7 @@ from gpu_serde import wire
 from gpu_serde.device import device_payload
 from gpu_serde.errors import ArenaFullError, HandoffError
 from gpu_serde.format.device import VERSION
-from gpu_serde.format.memory import AbufPayload, RegionPayload, region_identity
+from gpu_serde.format.memory import MAX_SIZE, AbufPayload, RegionPayload, region_identity
 from gpu_serde.hostid import host_id
 from gpu_serde.memory import broker as _broker
 from gpu_serde.memory import driver as _driver
@@ -342,7 +342,7 @@ class ArenaMemoryResource(lifetime.DeviceMemory, MemoryResource):
 
     Raises:
         TypeError: ``device`` is not a Device or an int, or ``size`` not an int.
-        ValueError: ``size`` is not positive.
+        ValueError: ``size`` is not positive, or is 2**62 bytes or more (no GPU has as much).
         HandoffError: the driver refused the region (the message names its error, e.g.
             ``CUDA_ERROR_OUT_OF_MEMORY``, and what the GPU has free).
 
@@ -365,6 +365,10 @@ class ArenaMemoryResource(lifetime.DeviceMemory, MemoryResource):
             raise TypeError(f"ArenaMemoryResource(size=...): an int, not {type(size).__name__}")
         if size <= 0:
             raise ValueError(f"ArenaMemoryResource(size=...) must be positive, not {size}")
+        if size >= MAX_SIZE:  # no payload could name it (nor the driver, whose sizes are 64-bit)
+            raise ValueError(
+                f"ArenaMemoryResource(size=...) of {size:,} bytes is larger than any GPU's memory"
+            )
         dev = Device(device)
         self._device = dev
         self._r = region = _Region(dev, size)
