@@ -8,16 +8,18 @@ each.
 
 Needs a real GPU and torch with CUDA. The sender is a spawned child (the exporter); this process
 receives. Each round runs both modes (in alternating order), each over ``--per-round`` pairs: a
-Buffer's payload, then a shared tensor's, each timed around ``pickle.loads``. What a pair's
-shared tensor costs over its Buffer is the paired difference; medians with a distribution-free
-95% interval over all pairs of a mode. Released, a closed Buffer is given back in the closing
-thread (its stream had no work left), a dropped tensor by gpu_serde's release thread once the
-whole device is idle (nobody said which stream read it last): the difference between the modes
-shows what that costs the next hand-off. Diagnostic, no target.
+Buffer's payload and a shared tensor's (in alternating order), each timed around
+``pickle.loads``; the sender starts a round once every release of the last one was counted. What
+a pair's shared tensor costs over its Buffer is the paired difference; medians with a
+distribution-free 95% interval over all pairs of a mode. Released, a closed Buffer is given back
+in the closing thread (its stream had no work left), a dropped tensor by gpu_serde's release
+thread once the whole device is idle (nobody said which stream read it last): the difference
+between the modes shows what that costs the next hand-off. Diagnostic, no target.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import pickle
 import statistics
@@ -47,6 +49,10 @@ def sender(conn: Any, per_round: int) -> None:
     arena = gpu_serde.ArenaMemoryResource(dev, (4 * per_round + 8) * MIB)
     while (ask := conn.recv()) is not None:
         n = ask[1]
+        # the last round's releases all counted first: none of their traffic falls in this one
+        deadline = time.monotonic() + 30
+        while arena.held_bytes and time.monotonic() < deadline:
+            time.sleep(0.005)
         bufs = [_retry(lambda: arena.allocate(MIB)) for _ in range(n)]
         tensors = [
             _retry(lambda: gpu_serde.tensors.empty((MIB,), torch.uint8, 0, arena=arena))
@@ -64,38 +70,38 @@ def sender(conn: Any, per_round: int) -> None:
 
 
 def _retry(allocate: Any) -> Any:
+    from gpu_serde import ArenaFullError
+
     deadline = time.monotonic() + 30
     while True:
         try:
             return allocate()
-        except Exception:  # blocks given back return in the background
+        except ArenaFullError:  # blocks given back return in the background
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.001)
 
 
 def receive(blobs: dict[str, list[bytes]], keep: bool) -> dict[str, list[float]]:
-    """Load each pair (Buffer, then shared tensor); give each back at once unless ``keep``."""
+    """Load each pair (the Buffer first in even pairs, the shared tensor first in odd ones, so
+    that neither always follows the other's give-back); give each back at once unless
+    ``keep``."""
     took: dict[str, list[float]] = {"buffer": [], "shared": [], "close": [], "drop": []}
     kept: list[Any] = []
-    for one, other in zip(blobs["buffer"], blobs["shared"], strict=True):
-        start = time.perf_counter()
-        buf = pickle.loads(one)
-        mid = time.perf_counter()
-        if keep:
-            kept.append(buf)
-        else:
-            buf.close()
-        end = time.perf_counter()
-        t = pickle.loads(other)
-        last = time.perf_counter()
-        if keep:
-            kept.append(t)
-        del t
-        took["buffer"].append(mid - start)
-        took["close"].append(end - mid)
-        took["shared"].append(last - end)
-        took["drop"].append(time.perf_counter() - last)
+    pairs = zip(blobs["buffer"], blobs["shared"], strict=True)
+    for i, pair in enumerate(pairs):
+        for kind in ("buffer", "shared") if i % 2 == 0 else ("shared", "buffer"):
+            blob = pair[0] if kind == "buffer" else pair[1]
+            start = time.perf_counter()
+            obj = pickle.loads(blob)
+            loaded = time.perf_counter()
+            if keep:
+                kept.append(obj)
+            elif kind == "buffer":
+                obj.close()
+            del obj  # a tensor dropped: its block goes back once the device is idle
+            took[kind].append(loaded - start)
+            took["close" if kind == "buffer" else "drop"].append(time.perf_counter() - loaded)
     for obj in kept:
         if hasattr(obj, "close"):
             obj.close()
@@ -141,8 +147,9 @@ def main() -> None:
                     dumps[kind].append(value)
                 for kind, values in receive(blobs, keep=mode == "kept").items():
                     samples[mode].setdefault(kind, []).extend(values)
-        mine.send(None)
     finally:
+        with contextlib.suppress(OSError):
+            mine.send(None)
         child.join(30)
         if child.is_alive():
             child.kill()
@@ -163,9 +170,10 @@ def main() -> None:
         diff = _common.paired_ci(s, "shared", "buffer")
         med = {k: statistics.median(v) for k, v in s.items()}
         how = "each at once" if mode == "released" else "nothing (keeps all)"
+        gave = f"{us(med['close'])} | {us(med['drop'])}" if mode == "released" else "- | -"
         print(
             f"| {how} | {us(med['buffer'])} | {us(med['shared'])} | {us(diff[0])} "
-            f"({us(diff[1])} to {us(diff[2])}) | {us(med['close'])} | {us(med['drop'])} |"
+            f"({us(diff[1])} to {us(diff[2])}) | {gave} |"
         )
         for series, value in med.items():
             rows.append(

@@ -11,7 +11,8 @@ even on one machine. It is a test seam (the CPU tier puts "remote" Ray nodes and
 one machine this way), and a switch for a deployment where processes of one boot must not map
 each other's memory. It is read once, when the identity is first needed (not at import: a Dask
 Nanny sets its worker's environment after the worker process imported the driver script's
-modules). A label is 1 to 64 characters of ``A-Z a-z 0-9 . _ : -``.
+modules). A label is 1 to 64 characters of ``A-Z a-z 0-9 . _ : -``; an empty value counts as
+unset.
 """
 
 from __future__ import annotations

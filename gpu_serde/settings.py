@@ -1,10 +1,13 @@
-"""Numbers gpu_serde reads from the environment (``GPU_SERDE_RELEASE_GRACE_S``,
-``GPU_SERDE_SHARE_ARENA_MIB``, ``GPU_SERDE_KEEP_S``), checked where they are read.
+"""Numbers gpu_serde reads from the environment, checked where they are read.
 
-A value that is not one the variable takes (not a number, negative, infinite, too large) is said
-in a warning that names the variable, its value (escaped) and what it takes, and the default is
-used: importing gpu_serde never fails on one (a Ray worker's setup hook imports it, and a hook
-that fails ends the worker). An empty value counts as unset.
+``GPU_SERDE_RELEASE_GRACE_S`` and ``GPU_SERDE_SHARE_ARENA_MIB`` (:func:`number`, at import): a
+value that is not one the variable takes (not a number, negative, not finite, out of range) is
+said in a warning that names the variable, its value (escaped) and what it takes, and the
+default is used: importing gpu_serde never fails on one (a Ray worker's setup hook imports it,
+and a hook that fails ends the worker). ``GPU_SERDE_KEEP_S`` (:func:`parse`, in
+:func:`gpu_serde.memory.broker.keeper.keep_s`) is checked when a process first sends memory: a
+bad value is a warning there too, and no keeper serves what that process sends. An empty value
+counts as unset.
 """
 
 from __future__ import annotations

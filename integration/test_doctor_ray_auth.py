@@ -79,7 +79,7 @@ def test_without_the_token_the_doctor_says_why_and_what_to_do(head, tmp_path):
     done = doctor(address, plain_env(str(tmp_path)))  # a HOME without ~/.ray/auth_token
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        f"gpu-serde: doctor: cannot reach the cluster at {address}: the cluster uses Ray's "
+        f"gpu-serde: doctor: cannot reach the cluster at '{address}': the cluster uses Ray's "
         "token authentication (Ray 2.60's `ray start --head` turns it on when the head has a "
         "token), and this process has no token: run `ray get-auth-token` on the cluster's head "
         "node and put what it prints in ~/.ray/auth_token here (or in RAY_AUTH_TOKEN), then run "

@@ -121,7 +121,10 @@ def test_a_wrong_argument_says_what_it_takes(installed, device, size, says):
         ArenaMemoryResource(device, size)
 
 
-@pytest.mark.parametrize(("size", "says"), [(0, "must be positive"), (2**70, "larger than any")])
+@pytest.mark.parametrize(
+    ("size", "says"),
+    [(-1, "must be positive"), (2**62, "larger than any"), (2**70, "larger than any")],
+)
 def test_a_size_no_gpu_could_have_is_a_value_error(installed, size, says):
     with pytest.raises(ValueError, match=says):
         ArenaMemoryResource(0, size)

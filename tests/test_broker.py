@@ -179,6 +179,18 @@ def settled_fds_but_others(address: str, expected: int) -> int:
     return fds_but_others(address)
 
 
+def steady_fds_but_others(address: str) -> int:
+    """:func:`fds_but_others` once two counts 20 ms apart agree (at most 2 s)."""
+    deadline, last = time.monotonic() + 2, fds_but_others(address)
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+        now = fds_but_others(address)
+        if now == last:
+            break
+        last = now
+    return last
+
+
 def fds_but_others(address: str) -> int:
     """This process's open descriptors but for what earlier tests' processes may open or close
     meanwhile: its own broker's connections, and its links to brokers other than ``address`` (the
@@ -197,7 +209,7 @@ def test_a_thousand_handoffs_leave_no_descriptor_open(exporter):
     proc, address, token = exporter
     disconnect()
     settled_fds()
-    mine, theirs = fds_but_others(address), settled_fds(proc.pid)
+    mine, theirs = steady_fds_but_others(address), settled_fds(proc.pid)
     for _ in range(1000):
         os.close(fetch(address, token))
     # one connection, kept for the next request

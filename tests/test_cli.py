@@ -111,8 +111,8 @@ def test_an_address_that_is_no_address_is_one_line_with_what_was_wrong_escaped()
     done = gpu_serde_cli("doctor", "--scheduler", "garbage\x1b[31m", "--timeout", "5")
     assert done.returncode == 2
     (line,) = done.stderr.strip().splitlines()
-    assert line.startswith("gpu-serde: doctor: ")
-    assert "'garbage\\x1b[31m'" in line  # the ESC shown escaped, never raw
+    assert line.startswith("gpu-serde: doctor: 'garbage\\x1b[31m' is not a cluster's address: ")
+    assert "missing port number" in line  # distributed's reason, escaped too
     assert "\x1b" not in line
 
 

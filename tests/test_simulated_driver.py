@@ -123,15 +123,17 @@ def test_a_dask_layout_takes_strings_ordinals_and_lists_and_names_what_is_wrong(
         spec_cluster_options({"a": 1.5})
     with pytest.raises(ValueError, match=r"'zz' is not a worker of the layout \('a'\)"):
         spec_cluster_options({"a": "0"}, hosts={"zz": "hostb"})
-    with pytest.raises(ValueError, match="is not a host label"):
+    with pytest.raises(ValueError, match=r"hosts\['a'\]\): 'bad label' is not a host label"):
         spec_cluster_options({"a": "0"}, hosts={"a": "bad label"})
+    with pytest.raises(TypeError, match="a dict of worker name -> host label, not list"):
+        spec_cluster_options({"a": "0"}, hosts=["a"])
 
 
 def test_a_ray_node_on_another_host_needs_a_host_label():
     from gpu_serde.testing import ray_node_options
 
     assert ray_node_options("0", host="hostb")["env_vars"]["GPU_SERDE_HOST_ID"] == "hostb"
-    with pytest.raises(ValueError, match="is not a host label"):
+    with pytest.raises(ValueError, match=r"host=\.\.\.\): 'bad label' is not a host label"):
         ray_node_options("0", host="bad label")
 
 

@@ -259,10 +259,11 @@ def test_a_dropped_shared_tensor_goes_back_only_once_the_work_on_every_stream_is
     monkeypatch.setattr(lifetime, "RELEASE_GRACE_S", 0.0)  # held_bytes then counts holds only
     arena = gpu_serde.ArenaMemoryResource(Device(ordinal), 4 << 20)
     x = gpu_serde.tensors.empty((1 << 18,), torch.float32, ordinal, arena=arena)
+    x.fill_(3.0)
     with child(monkeypatch, uuid) as run:
-        run(keep, gpu_serde.share(x))
+        assert same(run(keep, gpu_serde.share(x)), x)
         assert arena.held_bytes >= x.nbytes
-        run(busy_then_drop, where)  # dropped at once, a read of it still queued
+        assert run(busy_then_drop, where) is True  # dropped at once, a read of it still queued
         assert wait_until(lambda: arena.held_bytes == 0, 60)
         busy_when_given_back = run(still_busy, None)
     # nobody said which stream read it last: the whole device, side streams too, is waited for

@@ -56,6 +56,7 @@ from typing import Any
 
 from gpu_serde.hostid import HOST_ENV, label_identity
 from gpu_serde.identity import canonical_uuid
+from gpu_serde.text import quoted
 
 __all__ = [
     "SimulatedDriverError",
@@ -440,13 +441,18 @@ def spec_cluster_options(
                 '("" for no GPU), not None'
             )
         visible[name] = value
+    if hosts is not None and not isinstance(hosts, Mapping):
+        raise TypeError(
+            "spec_cluster_options(hosts=...): a dict of worker name -> host label, not "
+            f"{type(hosts).__name__}"
+        )
     for name, label in (hosts or {}).items():
         if name not in layout:
             raise ValueError(
                 f"spec_cluster_options(hosts=...): {name!r} is not a worker of the layout "
                 f"({', '.join(map(repr, layout))})"
             )
-        label_identity(label)  # ValueError: not a host label
+        _host_label(label, f"spec_cluster_options(hosts[{name!r}])")
     workers = {
         name: {
             "cls": Nanny,
@@ -458,6 +464,21 @@ def spec_cluster_options(
     dashboard = f"[{host}]:0" if ":" in host else f"{host}:0"
     scheduler = {"cls": Scheduler, "options": {"host": host, "dashboard_address": dashboard}}
     return {"workers": workers, "scheduler": scheduler}
+
+
+def _host_label(label: object, where: str) -> None:
+    """Check ``label`` as a ``GPU_SERDE_HOST_ID`` value given to ``where``.
+
+    Raises:
+        ValueError: it is not a host label.
+    """
+    try:
+        label_identity(label)  # type: ignore[arg-type]  # it checks the type too
+    except ValueError:
+        raise ValueError(
+            f"{where}: {quoted(label)} is not a host label (GPU_SERDE_HOST_ID): use 1 to 64 "
+            "characters of A-Z a-z 0-9 . _ : -"
+        ) from None
 
 
 def ray_node_options(
@@ -478,7 +499,7 @@ def ray_node_options(
     """
     value = _visible_value(visible, "ray_node_options(visible=...)")
     if host is not None:
-        label_identity(host)
+        _host_label(host, "ray_node_options(host=...)")
     if value is None:
         raise TypeError("ray_node_options(visible=...): the node's CUDA_VISIBLE_DEVICES, not None")
     env = {"CUDA_VISIBLE_DEVICES": value}

@@ -91,9 +91,9 @@ def _doctor(args: argparse.Namespace) -> int:
     except (ConnectionError, OSError, TimeoutError, asyncio.TimeoutError) as exc:  # 3.10: two kinds
         where = args.ray or args.scheduler
         return _fail(f"doctor: cannot reach the cluster at {quoted(where)}: {safe(str(exc))}")
-    except ValueError as exc:  # distributed and Ray refuse a malformed address so
+    except doctor.AddressError as exc:
         where = args.ray or args.scheduler
-        return _fail(f"doctor: {quoted(where)} is not a cluster's address: {safe(str(exc))}")
+        return _fail(f"doctor: {quoted(where)} is not a cluster's address: {exc}")
     if args.json:
         print(json.dumps(survey.to_json(), indent=2))
     else:

@@ -30,6 +30,10 @@ from gpu_serde.text import quoted, safe
 PROBE_S = 120.0
 
 
+class AddressError(ValueError):
+    """The address given to the doctor is not one of a cluster (malformed)."""
+
+
 @dataclass
 class WorkerReport:
     """What one process said about itself.
@@ -165,10 +169,15 @@ def survey_dask(address: str, timeout: float = 30, expect: int = 0) -> Survey:
 
     Raises:
         OSError: the scheduler cannot be reached within ``timeout``.
+        AddressError: ``address`` is not a scheduler's address (distributed cannot parse it).
     """
     from distributed import Client  # the dask extra, optional: doctor --ray needs only Ray
 
-    with Client(address, timeout=timeout) as client:
+    try:
+        connected = Client(address, timeout=timeout)
+    except ValueError as exc:  # "missing port number in address ...", an unknown protocol
+        raise AddressError(safe(str(exc))) from None
+    with connected as client:
         if expect:
             # reported below: fewer workers than expected (on Python 3.10, asyncio's TimeoutError
             # is not the builtin one)
