@@ -217,12 +217,9 @@ class Receiver:
 
 
 def main() -> None:
-    p = _common.parser(__doc__)
-    p.add_argument("--rounds", type=int, default=41, help="rounds; medians are over rounds")
-    p.add_argument("--per-round", type=int, default=20, help="hand-offs per case in a round")
-    args = p.parse_args()
-    if args.rounds < 1 or args.per_round < 1:
-        p.error("--rounds and --per-round take a positive number")
+    args = _common.rounds_args(
+        __doc__, (41, "rounds; medians are over rounds"), (20, "hand-offs per case in a round")
+    )
     gpus = _common.use_gpus()
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only
     import ray

@@ -109,12 +109,9 @@ def receive(blobs: dict[str, list[bytes]], keep: bool) -> dict[str, list[float]]
 
 
 def main() -> None:
-    p = _common.parser(__doc__)
-    p.add_argument("--rounds", type=int, default=4, help="rounds; each runs both modes")
-    p.add_argument("--per-round", type=int, default=100, help="pairs per mode in a round")
-    args = p.parse_args()
-    if args.rounds < 1 or args.per_round < 1:
-        p.error("--rounds and --per-round take a positive number")
+    args = _common.rounds_args(
+        __doc__, (4, "rounds; each runs both modes"), (100, "pairs per mode in a round")
+    )
     gpus = _common.use_gpus()
     import torch
 
