@@ -173,9 +173,10 @@ def test_a_full_arena_in_a_comprehension_raises_arena_full_error_and_keeps_no_bl
     assert wait_until(whole_region_free)
 
 
-def test_an_arena_larger_than_the_gpu_says_what_the_gpu_has(gpu, tier):
+@pytest.mark.parametrize("size", [1 << 50, 10 << 40])
+def test_an_arena_larger_than_the_gpu_says_what_the_gpu_has(gpu, tier, size):
     with pytest.raises(gpu_serde.HandoffError) as info:
-        ArenaMemoryResource(gpu, 1 << 50)
+        ArenaMemoryResource(gpu, size)
     says = str(info.value)
     assert "CUDA_ERROR_OUT_OF_MEMORY" in says and "the GPU has" in says and "free of" in says
 

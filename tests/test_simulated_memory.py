@@ -204,6 +204,19 @@ def test_a_copy_from_memory_the_driver_does_not_know_fails(sim_ctx):
     assert driver.cuMemcpyDtoH(out, 4096, 4)[0] == R.CUDA_ERROR_INVALID_VALUE
 
 
+def test_one_allocation_larger_than_the_gpus_memory_is_out_of_memory(ctx):
+    prop = driver.CUmemAllocationProp()
+    prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.requestedHandleTypes = (
+        driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    )
+    total = ok(driver.cuDeviceTotalMem(0))
+    gran = 2 << 20
+    too_much = (total // gran + 1) * gran
+    assert driver.cuMemCreate(too_much, prop, 0)[0] == R.CUDA_ERROR_OUT_OF_MEMORY
+
+
 def test_a_vmm_range_cannot_be_mapped_twice(ctx):
     prop = driver.CUmemAllocationProp()
     prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED

@@ -76,8 +76,8 @@ CUresult cuMemsetD32Async(CUdeviceptr d, unsigned v, size_t n, CUstream s) { ret
 
 CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
     if (!free_bytes || !total) return sim_fail(INVALID_VALUE, __func__);
-    *total = (size_t)141 << 30;
-    *free_bytes = *total - sim_device_bytes;
+    *total = SIM_TOTAL_MEM;
+    *free_bytes = sim_device_bytes < SIM_TOTAL_MEM ? SIM_TOTAL_MEM - sim_device_bytes : 0;
     return SUCCESS;
 }
 

@@ -208,7 +208,7 @@ CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
     CUresult r = check(dev);
     if (r) return r;
     if (!bytes) return INVALID_VALUE;
-    *bytes = (size_t)141 << 30;
+    *bytes = SIM_TOTAL_MEM;
     return SUCCESS;
 }
 

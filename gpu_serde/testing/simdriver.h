@@ -48,6 +48,7 @@ enum { HANDLE_POSIX_FD = 1 };
 enum { MEMTYPE_HOST = 1, MEMTYPE_DEVICE = 2 };
 #define MAX_GPUS 64
 #define GRANULARITY ((size_t)2 << 20)
+#define SIM_TOTAL_MEM ((size_t)141 << 30) /* each simulated GPU's memory (an H200's) */
 
 /* simdriver.c */
 CUresult sim_check_device(CUdevice dev);

@@ -62,6 +62,8 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *out, size_t size, const CUmem
     CUresult r = check_prop(prop);
     if (r) return sim_fail(r, __func__);
     if (!out || flags || !size || size % GRANULARITY) return sim_fail(INVALID_VALUE, __func__);
+    /* no GPU gives one allocation more than its memory (its sparse memfd would take it) */
+    if (prop->location.type == LOC_DEVICE && size > SIM_TOTAL_MEM) return sim_fail(OUT_OF_MEMORY, __func__);
     int fd = sim_memfd("gpu_serde-sim-vmm", size + TRAILER);
     if (fd < 0) return sim_fail(OUT_OF_MEMORY, __func__);
     struct trailer t = {"GSSIMVMM", prop->location.type, prop->location.id, prop->requestedHandleTypes, {0}};
