@@ -204,20 +204,8 @@ def test_a_copy_from_memory_the_driver_does_not_know_fails(sim_ctx):
     assert driver.cuMemcpyDtoH(out, 4096, 4)[0] == R.CUDA_ERROR_INVALID_VALUE
 
 
-def test_one_allocation_larger_than_the_gpus_memory_is_out_of_memory(ctx):
-    prop = driver.CUmemAllocationProp()
-    prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-    prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    prop.requestedHandleTypes = (
-        driver.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-    )
-    total = ok(driver.cuDeviceTotalMem(0))
-    gran = 2 << 20
-    too_much = (total // gran + 1) * gran
-    assert driver.cuMemCreate(too_much, prop, 0)[0] == R.CUDA_ERROR_OUT_OF_MEMORY
-
-
-def test_a_vmm_range_cannot_be_mapped_twice(ctx):
+def device_vmm() -> tuple[driver.CUmemAllocationProp, int]:
+    """The properties of exportable device memory on GPU 0, and its allocation granularity."""
     prop = driver.CUmemAllocationProp()
     prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
     prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
@@ -229,6 +217,17 @@ def test_a_vmm_range_cannot_be_mapped_twice(ctx):
             prop, driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
         )
     )
+    return prop, gran
+
+
+def test_one_allocation_larger_than_the_gpus_memory_is_out_of_memory(ctx):
+    prop, gran = device_vmm()
+    too_much = (ok(driver.cuDeviceTotalMem(0)) // gran + 1) * gran
+    assert driver.cuMemCreate(too_much, prop, 0)[0] == R.CUDA_ERROR_OUT_OF_MEMORY
+
+
+def test_a_vmm_range_cannot_be_mapped_twice(ctx):
+    prop, gran = device_vmm()
     handle = ok(driver.cuMemCreate(gran, prop, 0))
     ptr = ok(driver.cuMemAddressReserve(gran, 0, 0, 0))
     assert driver.cuMemMap(ptr, gran, 0, handle, 0)[0] == R.CUDA_SUCCESS
