@@ -71,3 +71,11 @@ def test_the_docstring_check_sees_the_whole_package():
     )
     importable = [m for m in MODULES if m not in OPTIONAL]
     assert sum(len(list(public_names(importlib.import_module(m)))) for m in importable) > 100
+
+
+@pytest.mark.parametrize("module_name", ["gpu_serde.testing", "gpu_serde.tensors"])
+def test_dir_of_a_public_package_lists_what_it_offers_not_what_it_imports(module_name):
+    module = importlib.import_module(module_name)
+    listed = set(dir(module))
+    assert set(module.__all__) <= listed
+    assert not {"os", "re", "Any", "Path", "annotations", "functools", "quoted"} & listed

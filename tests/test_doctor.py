@@ -31,3 +31,32 @@ def test_doctor_flags_a_missing_install_and_a_shared_device_0(simulated_gpus):
     assert "gpu_serde NOT installed" in text
     assert "3 worker(s), 4 process(es) with problems: PROBLEMS" in text
     assert not survey.ok
+
+
+def test_the_ray_report_lists_the_head_first_then_nodes_by_address_whatever_ray_returns():
+    def node(nid: str, address: str, head: bool = False, alive: bool = True) -> dict:
+        resources = {"CPU": 1.0, **({"node:__internal_head__": 1.0} if head else {})}
+        return {
+            "NodeID": nid,
+            "NodeManagerAddress": address,
+            "Alive": alive,
+            "Resources": resources,
+        }
+
+    listed = [
+        node("c3", "127.0.0.3"),
+        node("b2", "127.0.0.2"),
+        node("dead", "127.0.0.1", alive=False),
+        node("f9", "127.0.0.9", head=True),
+        node("a1", "127.0.0.2"),
+    ]
+
+    class Cluster:  # what ray.nodes() answers, in the order Ray happens to give
+        @staticmethod
+        def nodes() -> list[dict]:
+            return listed
+
+    order = [n["NodeID"] for n in doctor._alive_nodes(Cluster, expect=4, timeout=0)]
+    assert order == ["f9", "a1", "b2", "c3"]
+    listed.reverse()
+    assert [n["NodeID"] for n in doctor._alive_nodes(Cluster, expect=4, timeout=0)] == order

@@ -7,6 +7,7 @@ The CUDA paths themselves run on the GPU tier (tests/test_tensors_gpu.py).
 from __future__ import annotations
 
 import copyreg
+import importlib.util
 import io
 import pickle
 import types
@@ -195,6 +196,23 @@ def test_empty_says_what_is_wrong_with_its_arguments_before_that_torch_has_no_gp
 ):
     with pytest.raises(error, match=says):
         gpu_serde.tensors.empty(*args)
+
+
+@pytest.mark.parametrize("arena", ["arena", 1 << 30, torch.cuda.memory])
+def test_empty_in_what_is_not_an_arena_is_a_type_error_before_that_torch_has_no_gpu(
+    installed, arena
+):
+    with pytest.raises(TypeError, match="arena= takes a gpu_serde.ArenaMemoryResource"):
+        gpu_serde.tensors.empty((2,), arena=arena)
+
+
+def test_cupy_allocator_without_cupy_says_to_install_it_here(installed):
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("CuPy is installed here")
+    with pytest.raises(gpu_serde.HandoffError) as info:
+        gpu_serde.tensors.cupy_allocator()
+    assert "which gpu_serde.tensors.cupy_allocator() needs: install cupy here" in str(info.value)
+    assert "receive it" not in str(info.value)  # nothing was received
 
 
 def test_to_arena_of_a_module_with_no_tensor_returns_it_as_it_was():

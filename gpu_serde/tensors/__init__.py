@@ -40,7 +40,14 @@ from gpu_serde import registry
 from gpu_serde.errors import DeviceNotVisibleError
 from gpu_serde.memory.arena import ArenaMemoryResource
 from gpu_serde.tensors.lazy import when_imported
-from gpu_serde.tensors.sharing import Shared, SharedCopyWarning, allocate, module, share
+from gpu_serde.tensors.sharing import (
+    Shared,
+    SharedCopyWarning,
+    allocate,
+    check_arena,
+    module,
+    share,
+)
 from gpu_serde.tensors.values import place
 from gpu_serde.text import quoted, safe
 
@@ -53,6 +60,18 @@ __all__ = [
     "share",
     "to_arena",
 ]
+
+
+def __dir__() -> list[str]:
+    """What ``dir()`` lists for this package: its public names (``__all__``) and its loaded
+    submodules, not the names it imports to do its work."""
+    prefix = __name__ + "."
+    subs = [
+        n
+        for n, v in globals().items()
+        if isinstance(v, ModuleType) and v.__name__.startswith(prefix)
+    ]
+    return sorted({*__all__, *subs})
 
 
 _watching = False
@@ -138,12 +157,15 @@ def empty(
 
     Raises:
         ArenaFullError: ``arena`` has no free block that large.
-        TypeError: ``shape`` or ``dtype`` is not one (torch's own error).
+        TypeError: ``shape`` or ``dtype`` is not one (torch's own error), or ``arena`` is not
+            an ArenaMemoryResource.
         ValueError: ``device`` is not a GPU, or ``arena`` is on another GPU.
         DeviceNotVisibleError: torch here has no GPU (a CPU-only build, or none visible).
     """
-    m = module("torch")
+    m = module("torch", "gpu_serde.tensors.empty()")
     nbytes = m.nbytes_of(shape, dtype)  # a shape or dtype that is none: torch's TypeError first
+    if arena is not None:
+        check_arena(arena)  # before asking torch for a GPU, as the other arguments
     ordinal = _ordinal(device)
     buf = allocate(ordinal, nbytes, arena)
     return m.empty(shape, dtype, buf, ordinal)
@@ -209,5 +231,12 @@ def cupy_allocator(arena: ArenaMemoryResource | None = None) -> Any:
     Args:
         arena: the :class:`~gpu_serde.ArenaMemoryResource` to allocate from (on the current
             device); default: arenas gpu_serde makes for sharing.
+
+    Raises:
+        HandoffError: CuPy is not installed in this process.
+        TypeError: ``arena`` is not an ArenaMemoryResource made in this process.
     """
-    return module("cupy").allocator(arena)
+    m = module("cupy", "gpu_serde.tensors.cupy_allocator()")
+    if arena is not None:
+        check_arena(arena)
+    return m.allocator(arena)

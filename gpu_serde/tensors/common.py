@@ -41,9 +41,9 @@ def local_ordinal(device: bytes, what: str) -> int:
     return ordinal
 
 
-def need(library: str) -> Any:
+def need(library: str, caller: str | None = None) -> Any:
     """The module ``library`` (``"torch"`` or ``"cupy"``), imported: a tensor of it arrived, or
-    the caller asked for something of it.
+    ``caller`` (a gpu_serde function, named in the error) needs it.
 
     Raises:
         HandoffError: it is not installed in this process.
@@ -54,11 +54,15 @@ def need(library: str) -> Any:
     try:
         return __import__(library)
     except Exception as exc:
-        raise HandoffError(
-            f"this process cannot import {library} ({type(exc).__name__}: {exc}), which a "
-            f"{NAMES.get(library, library)} needs: install {library} here, or receive it where "
-            f"{library} is installed"
-        ) from None
+        why = f"this process cannot import {library} ({type(exc).__name__}: {exc})"
+        if caller is not None:
+            fix = f"which {caller} needs: install {library} here"
+        else:
+            fix = (
+                f"which a {NAMES.get(library, library)} needs: install {library} here, or "
+                f"receive it where {library} is installed"
+            )
+        raise HandoffError(f"{why}, {fix}") from None
 
 
 class Carried:

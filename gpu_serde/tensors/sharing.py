@@ -77,16 +77,16 @@ def library_of(x: object) -> str | None:
 _loaded: dict[str, Any] = {}  # library -> gpu_serde's module for it, once imported
 
 
-def module(library: str) -> Any:
+def module(library: str, caller: str | None = None) -> Any:
     """gpu_serde's module for ``library`` (it imports the library: call it only once the library
-    is in use).
+    is in use, or ``caller``, a public function named in the error, needs it).
 
     Raises:
         HandoffError: the library is not installed here.
     """
     m = _loaded.get(library)
     if m is None:
-        need(library)
+        need(library, caller)
         m = _loaded[library] = importlib.import_module(_MODULES[library])
     return m
 
@@ -135,10 +135,13 @@ def allocate(ordinal: int, nbytes: int, arena: ArenaMemoryResource | None = None
 
     Raises:
         ArenaFullError: ``arena`` has no block that large.
+        TypeError: ``arena`` is not an ArenaMemoryResource.
+        ValueError: ``arena`` is on another device.
         HandoffError: the driver refused a new arena.
     """
     nbytes = max(int(nbytes), 1)
     if arena is not None:
+        check_arena(arena)
         if arena.device_id != ordinal:
             raise ValueError(
                 f"the arena is on device {arena.device_id}, the tensor on device {ordinal}"
@@ -148,6 +151,20 @@ def allocate(ordinal: int, nbytes: int, arena: ArenaMemoryResource | None = None
         buf = _from_own_arenas(ordinal, nbytes)
     remember(buf, default_stream(ordinal))
     return buf
+
+
+def check_arena(arena: object) -> None:
+    """Refuse an ``arena`` argument that is not an :class:`~gpu_serde.ArenaMemoryResource` of
+    this process (one received from another process cannot allocate).
+
+    Raises:
+        TypeError: it is not one.
+    """
+    if not isinstance(arena, ArenaMemoryResource):
+        raise TypeError(
+            "arena= takes a gpu_serde.ArenaMemoryResource made in this process, not "
+            f"{type(arena).__name__}"
+        )
 
 
 def _from_own_arenas(ordinal: int, nbytes: int) -> Buffer:

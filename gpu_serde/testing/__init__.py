@@ -52,6 +52,7 @@ import uuid as _uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from gpu_serde.hostid import HOST_ENV, label_identity
@@ -70,6 +71,19 @@ __all__ = [
     "spec_cluster_options",
     "violations",
 ]
+
+
+def __dir__() -> list[str]:
+    """What ``dir()`` lists for this package: its public names (``__all__``) and its loaded
+    submodules, not the names it imports to do its work."""
+    prefix = __name__ + "."
+    subs = [
+        n
+        for n, v in globals().items()
+        if isinstance(v, ModuleType) and v.__name__.startswith(prefix)
+    ]
+    return sorted({*__all__, *subs})
+
 
 SPEC_ENV = "GPU_SERDE_SIM_GPUS"
 _HERE = Path(__file__).parent

@@ -201,12 +201,19 @@ def survey_dask(address: str, timeout: float = 30, expect: int = 0) -> Survey:
 
 
 def _alive_nodes(ray: Any, expect: int, timeout: float) -> list[dict[str, Any]]:
+    """The cluster's alive nodes, once ``expect`` are (or at ``timeout``): the head first, then
+    by address and id, so that a report lists them in the same order every time."""
     deadline = time.monotonic() + timeout
     while True:
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         if len(nodes) >= expect or time.monotonic() >= deadline:
-            return nodes
+            return sorted(nodes, key=_node_order)
         time.sleep(0.5)
+
+
+def _node_order(node: dict[str, Any]) -> tuple[bool, str, str]:
+    head = "node:__internal_head__" in node.get("Resources", {})
+    return (not head, str(node.get("NodeManagerAddress", "")), str(node.get("NodeID", "")))
 
 
 #: Ray's token authentication (Ray 2.60): the mode, and where a client reads its token.
