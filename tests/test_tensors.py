@@ -202,7 +202,7 @@ def test_empty_says_what_is_wrong_with_its_arguments_before_that_torch_has_no_gp
 def test_empty_in_what_is_not_an_arena_is_a_type_error_before_that_torch_has_no_gpu(
     installed, arena
 ):
-    with pytest.raises(TypeError, match="arena= takes a gpu_serde.ArenaMemoryResource"):
+    with pytest.raises(TypeError, match=r"arena= takes a gpu_serde\.ArenaMemoryResource"):
         gpu_serde.tensors.empty((2,), arena=arena)
 
 
