@@ -63,15 +63,19 @@ __all__ = [
 
 
 def __dir__() -> list[str]:
-    """What ``dir()`` lists for this package: its public names (``__all__``) and its loaded
-    submodules, not the names it imports to do its work."""
-    prefix = __name__ + "."
-    subs = [
+    """What ``dir()`` lists for this package: its public names (``__all__``), the public
+    functions and classes it defines, and its loaded submodules; not the names it imports to do
+    its work."""
+    own = [
         n
         for n, v in globals().items()
-        if isinstance(v, ModuleType) and v.__name__.startswith(prefix)
+        if not n.startswith("_")
+        and (
+            getattr(v, "__module__", None) == __name__
+            or (isinstance(v, ModuleType) and v.__name__.startswith(__name__ + "."))
+        )
     ]
-    return sorted({*__all__, *subs})
+    return sorted({*__all__, *own})
 
 
 _watching = False
