@@ -259,6 +259,8 @@ def verdicts(run: ht.Run, engine: str, at: dict[tuple[str, int], dict[str, Any]]
             f"\n- share minus the arena Buffer, worst over sizes: {ht.ms(worst)} (target <= "
             f"{ht.ms(SHARE_EXTRA_S)}: {'meets' if worst <= SHARE_EXTRA_S else 'MISSES'} target)"
         )
+    else:
+        print("\n- share minus the arena Buffer: the arena Buffer was not measured (--paths)")
     small, large = at[("share", min(sizes))]["handoff_s"], at[("share", max(sizes))]["handoff_s"]
     if small > 0:
         flat = large / small

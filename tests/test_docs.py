@@ -78,4 +78,11 @@ def test_dir_of_a_public_package_lists_what_it_offers_not_what_it_imports(module
     module = importlib.import_module(module_name)
     listed = set(dir(module))
     assert set(module.__all__) <= listed
+    assert {"__all__", "__doc__", "__path__"} <= listed  # and what every module has
     assert not {"os", "re", "Any", "Path", "annotations", "functools", "quoted"} & listed
+
+
+def test_dir_of_gpu_serde_testing_keeps_the_constants_it_defines():
+    import gpu_serde.testing
+
+    assert {"SPEC_ENV", "MAX_GPUS", "make_gpus"} <= set(dir(gpu_serde.testing))

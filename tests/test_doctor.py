@@ -44,11 +44,13 @@ def test_the_ray_report_lists_the_head_first_then_nodes_by_address_whatever_ray_
         }
 
     listed = [
-        node("c3", "127.0.0.3"),
+        node("c3", "127.0.0.10"),
         node("b2", "127.0.0.2"),
         node("dead", "127.0.0.1", alive=False),
         node("f9", "127.0.0.9", head=True),
         node("a1", "127.0.0.2"),
+        node("e5", "localhost"),
+        node("d4", "127.0.0.3"),
     ]
 
     class Cluster:  # what ray.nodes() answers, in the order Ray happens to give
@@ -56,7 +58,7 @@ def test_the_ray_report_lists_the_head_first_then_nodes_by_address_whatever_ray_
         def nodes() -> list[dict]:
             return listed
 
-    order = [n["NodeID"] for n in doctor._alive_nodes(Cluster, expect=4, timeout=0)]
-    assert order == ["f9", "a1", "b2", "c3"]
+    order = [n["NodeID"] for n in doctor._alive_nodes(Cluster, expect=6, timeout=0)]
+    assert order == ["f9", "a1", "b2", "d4", "c3", "e5"]
     listed.reverse()
-    assert [n["NodeID"] for n in doctor._alive_nodes(Cluster, expect=4, timeout=0)] == order
+    assert [n["NodeID"] for n in doctor._alive_nodes(Cluster, expect=6, timeout=0)] == order

@@ -215,6 +215,11 @@ def test_cupy_allocator_without_cupy_says_to_install_it_here(installed):
     assert "receive it" not in str(info.value)  # nothing was received
 
 
+def test_to_arena_into_what_is_not_an_arena_is_a_type_error_even_with_nothing_to_move():
+    with pytest.raises(TypeError, match=r"arena= takes a gpu_serde\.ArenaMemoryResource"):
+        gpu_serde.tensors.to_arena(torch.nn.ReLU(), arena="arena")
+
+
 def test_to_arena_of_a_module_with_no_tensor_returns_it_as_it_was():
     relu = torch.nn.ReLU()
     assert gpu_serde.tensors.to_arena(relu) is relu

@@ -42,7 +42,6 @@ import multiprocessing.util
 import os
 import queue
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,11 +74,6 @@ RELEASE_GRACE_S = settings.number(
 #: would fall on the user's next synchronisation, so the release thread does it in the background
 #: on a stream of its own (which waits for no one's work).
 UNMAP_AFTER_S = 0.05
-#: Seconds the release thread gathers the releases of collected buffers (a dropped tensor's
-#: block: they wait for the whole device) before it synchronises the device once for all of
-#: them: a receiver dropping what it received one hand-off after another wakes that thread once
-#: per gathering, not once per drop, and its work lands beside the hand-offs, not in each.
-GATHER_S = 0.005
 #: Seconds an exiting importer waits for the release thread to finish what was queued before.
 EXIT_WAIT_S = 2.0
 
@@ -453,23 +447,15 @@ def live_holds() -> int:
     return len(_live)
 
 
-def _tell(
-    event: object, address: str, token: bytes, device: int, *, idle: set[int] | None = None
-) -> None:
-    """Tell the exporter once ``event`` has completed (the whole device: once it has been
-    synchronised, unless ``device`` is in ``idle``, the devices synchronised since these
-    releases were queued, which this adds to)."""
+def _tell(event: object, address: str, token: bytes, device: int) -> None:
     try:
         if event is WHOLE_DEVICE:
             raise LookupError  # no stream says when the work on it is done: the whole device
         if event is not AT_ONCE:  # (at once: the stream was idle at the close)
             event.sync()  # type: ignore[attr-defined]  # the event follows the free on its stream
     except Exception:  # the whole device, through the driver (Device.sync() is the runtime's)
-        if idle is None or device not in idle:
-            with contextlib.suppress(Exception), _driver.context(device):
-                _driver.check("cuCtxSynchronize", cuda_driver.cuCtxSynchronize())
-                if idle is not None:
-                    idle.add(device)
+        with contextlib.suppress(Exception), _driver.context(device):
+            _driver.check("cuCtxSynchronize", cuda_driver.cuCtxSynchronize())
     _broker.release(address, token)
 
 
@@ -490,36 +476,22 @@ _STOP = object()  # the exit's mark on the queue: the release thread stops there
 _stopped = threading.Event()  # set by the release thread when it reaches the mark
 
 
-def _gathered(first: tuple[Any, str, bytes, int]) -> list[tuple[Any, str, bytes, int]]:
-    """``first`` and what was queued behind it: after a collected buffer's release (the whole
-    device), what comes in the next :data:`GATHER_S` too (slept through, not woken for)."""
-    if first[0] is WHOLE_DEVICE and GATHER_S > 0:
-        time.sleep(GATHER_S)
-    items = [first]
-    with contextlib.suppress(queue.Empty):
-        while items[-1][0] is not _STOP:
-            items.append(_releases.get_nowait())
-    return items
-
-
 def _release_worker() -> None:
     freed: set[int] = set()  # devices with freed imported memory the driver may still map
     while True:
         try:
-            first = _releases.get(timeout=UNMAP_AFTER_S if freed else None)
+            item = _releases.get(timeout=UNMAP_AFTER_S if freed else None)
         except queue.Empty:
             _unmap(freed)
             freed.clear()
             continue
-        idle: set[int] = set()  # devices synchronised for this gathering's collected buffers
-        for item in _gathered(first):
-            if item[0] is _STOP:  # the process exits: everything queued before it was told
-                _stopped.set()
-                return  # no driver call after this: the interpreter is being torn down
-            with contextlib.suppress(Exception):  # a dead thread would stop all releases
-                _tell(*item, idle=idle)
-            if item[0] is not WHOLE_DEVICE and item[0] is not AT_ONCE and item[3] >= 0:
-                freed.add(item[3])
+        if item[0] is _STOP:  # the process exits: everything queued before it has been told
+            _stopped.set()
+            return  # no driver call after this: the interpreter is being torn down
+        with contextlib.suppress(Exception):  # a dead thread would stop all releases
+            _tell(*item)
+        if item[0] is not WHOLE_DEVICE and item[0] is not AT_ONCE and item[3] >= 0:
+            freed.add(item[3])
 
 
 _release_thread = Background("gpu_serde-release", _release_worker)

@@ -38,6 +38,7 @@ from typing import Any
 
 from gpu_serde import registry
 from gpu_serde.errors import DeviceNotVisibleError
+from gpu_serde.listing import lister
 from gpu_serde.memory.arena import ArenaMemoryResource
 from gpu_serde.tensors.lazy import when_imported
 from gpu_serde.tensors.sharing import (
@@ -51,6 +52,8 @@ from gpu_serde.tensors.sharing import (
 from gpu_serde.tensors.values import place
 from gpu_serde.text import quoted, safe
 
+__dir__ = lister(globals())  # dir() leaves out the imports above
+
 __all__ = [
     "Shared",
     "SharedCopyWarning",
@@ -60,22 +63,6 @@ __all__ = [
     "share",
     "to_arena",
 ]
-
-
-def __dir__() -> list[str]:
-    """What ``dir()`` lists for this package: its public names (``__all__``), the public
-    functions and classes it defines, and its loaded submodules; not the names it imports to do
-    its work."""
-    own = [
-        n
-        for n, v in globals().items()
-        if not n.startswith("_")
-        and (
-            getattr(v, "__module__", None) == __name__
-            or (isinstance(v, ModuleType) and v.__name__.startswith(__name__ + "."))
-        )
-    ]
-    return sorted({*__all__, *own})
 
 
 _watching = False
@@ -186,12 +173,16 @@ def to_arena(model: Any, arena: ArenaMemoryResource | None = None) -> Any:
 
     Raises:
         ArenaFullError: ``arena`` has no room for them.
-        TypeError: ``model`` is neither a ``torch.nn.Module`` nor a ``torch.Tensor``.
+        TypeError: ``model`` is neither a ``torch.nn.Module`` nor a ``torch.Tensor``, or
+            ``arena`` is not an ArenaMemoryResource made in this process.
         ValueError: it holds tensors, and none on a GPU (move it to its GPU first:
             ``model.cuda()``); a module's tensors on the CPU stay there, and a module with no
             tensor comes back as it was.
     """
     import torch
+
+    if arena is not None:
+        check_arena(arena)  # before anything moves (a module with no tensor too)
 
     def moved(t: Any) -> Any:
         new = empty(t.shape, t.dtype, t.device, arena=arena)

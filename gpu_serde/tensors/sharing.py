@@ -163,7 +163,8 @@ def check_arena(arena: object) -> None:
     if not isinstance(arena, ArenaMemoryResource):
         raise TypeError(
             "arena= takes a gpu_serde.ArenaMemoryResource made in this process, not "
-            f"{type(arena).__name__}"
+            f"{type(arena).__name__} (an arena received from another process cannot allocate: "
+            "allocate in the process that made it, or make one here)"
         )
 
 

@@ -52,12 +52,14 @@ import uuid as _uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from gpu_serde.hostid import HOST_ENV, label_identity
 from gpu_serde.identity import canonical_uuid
+from gpu_serde.listing import lister
 from gpu_serde.text import quoted
+
+__dir__ = lister(globals())  # dir() leaves out the imports above
 
 __all__ = [
     "SimulatedDriverError",
@@ -71,22 +73,6 @@ __all__ = [
     "spec_cluster_options",
     "violations",
 ]
-
-
-def __dir__() -> list[str]:
-    """What ``dir()`` lists for this package: its public names (``__all__``), the public
-    functions and classes it defines, and its loaded submodules; not the names it imports to do
-    its work."""
-    own = [
-        n
-        for n, v in globals().items()
-        if not n.startswith("_")
-        and (
-            getattr(v, "__module__", None) == __name__
-            or (isinstance(v, ModuleType) and v.__name__.startswith(__name__ + "."))
-        )
-    ]
-    return sorted({*__all__, *own})
 
 
 SPEC_ENV = "GPU_SERDE_SIM_GPUS"

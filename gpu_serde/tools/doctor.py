@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import os
 import socket
 import sys
@@ -211,9 +212,14 @@ def _alive_nodes(ray: Any, expect: int, timeout: float) -> list[dict[str, Any]]:
         time.sleep(0.5)
 
 
-def _node_order(node: dict[str, Any]) -> tuple[bool, str, str]:
+def _node_order(node: dict[str, Any]) -> tuple[bool, int, str, str]:
     head = "node:__internal_head__" in node.get("Resources", {})
-    return (not head, str(node.get("NodeManagerAddress", "")), str(node.get("NodeID", "")))
+    address = str(node.get("NodeManagerAddress", ""))
+    try:  # 127.0.0.9 before 127.0.0.10; names after addresses
+        key = (0, f"{int(ipaddress.ip_address(address)):040d}")
+    except ValueError:
+        key = (1, address)
+    return (not head, *key, str(node.get("NodeID", "")))
 
 
 #: Ray's token authentication (Ray 2.60): the mode, and where a client reads its token.
