@@ -98,7 +98,7 @@ def test_ray_doctor_reports_every_node(ray_address, host_gpus):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     for uuid in host_gpus:
         assert uuid in done.stdout, done.stdout + done.stderr
-    assert "NOT installed" not in done.stdout
+    assert "NOT set up" not in done.stdout
     if ip and not os.environ.get("GPU_SERDE_RAY_ADDRESS"):  # our own layout: nothing to flag
         assert done.returncode == 0 and "0 process(es) with problems: OK" in done.stdout, (
             done.stdout

@@ -93,6 +93,12 @@ def test_simulate_runs_one_command_on_simulated_gpus():
     assert done.stdout.strip() == "2", done.stderr
 
 
+def test_simulate_with_nothing_after_the_dashes_says_what_it_takes():
+    done = gpu_serde_cli("simulate", "2", "--")
+    assert done.returncode == 2
+    assert "nothing to run after '--'" in done.stderr and done.stdout == ""
+
+
 def test_devices_without_a_driver_points_to_simulated_gpus():
     from helpers import env_without_driver
 
@@ -114,6 +120,30 @@ def test_an_address_that_is_no_address_is_one_line_with_what_was_wrong_escaped()
     assert line.startswith("gpu-serde: doctor: 'garbage\\x1b[31m' is not a cluster's address: ")
     assert "missing port number" in line  # distributed's reason, escaped too
     assert "\x1b" not in line
+
+
+@pytest.mark.parametrize(
+    ("address", "says"),
+    [
+        ("127.0.0.1:-5", "the port must be a number from 1 to 65535, not '-5'"),
+        ("127.0.0.1:70000", "the port must be a number from 1 to 65535, not '70000'"),
+        (":6379", "no host before the port"),
+        ("tcp://127.0.0.1:8786", "use --scheduler for Dask"),
+    ],
+)
+def test_a_ray_address_that_is_none_is_one_line_at_once(address, says):
+    done = gpu_serde_cli("doctor", "--ray", address, "--timeout", "5")
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"gpu-serde: doctor: '{address}' is not a cluster's address: ")
+    assert says in line
+
+
+@pytest.mark.parametrize("seconds", ["inf", "1e10", "86401"])
+def test_a_timeout_beyond_a_day_is_refused_by_the_parser(seconds):
+    done = gpu_serde_cli("doctor", "--scheduler", "tcp://127.0.0.1:9", "--timeout", seconds)
+    assert done.returncode == 2
+    assert "at most 86,400 (a day)" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_a_negative_expect_is_refused_by_the_parser():

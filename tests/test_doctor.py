@@ -28,7 +28,7 @@ def test_doctor_flags_a_missing_install_and_a_shared_device_0(simulated_gpus):
     assert not any("device 0" in p for p in reports["z"].problems)
     # nobody registered the plugin or preloaded gpu_serde: every worker and the scheduler is flagged
     assert all(not r.installed for r in reports.values())
-    assert "gpu_serde NOT installed" in text
+    assert "gpu_serde NOT set up" in text
     assert "3 worker(s), 4 process(es) with problems: PROBLEMS" in text
     assert not survey.ok
 

@@ -98,7 +98,7 @@ def test_a_bad_gpu_description_is_refused_when_it_is_made(fields, error, says):
         (lambda: child_env([]), ValueError, "1 to 64"),
         (lambda: child_env(GPUS[0]), TypeError, "a list of SimulatedGPU"),
         (lambda: child_env([A]), TypeError, "SimulatedGPU objects"),
-        (lambda: child_env(GPUS, visible=5), TypeError, "CUDA_VISIBLE_DEVICES string"),
+        (lambda: child_env(GPUS, visible=5.5), TypeError, "CUDA_VISIBLE_DEVICES string"),
         (lambda: child_env(GPUS, visible=[0, None]), TypeError, "not NoneType"),
     ],
 )
@@ -135,6 +135,45 @@ def test_a_ray_node_on_another_host_needs_a_host_label():
     assert ray_node_options("0", host="hostb")["env_vars"]["GPU_SERDE_HOST_ID"] == "hostb"
     with pytest.raises(ValueError, match=r"host=\.\.\.\): 'bad label' is not a host label"):
         ray_node_options("0", host="bad label")
+
+
+def test_a_cluster_laid_out_with_no_driver_and_no_simulated_gpus_says_how_to_get_them(
+    monkeypatch,
+):
+    from gpu_serde import testing
+
+    if testing.real_driver_present():
+        pytest.skip("a real CUDA driver is here: its workers would find it")
+    monkeypatch.delenv(testing.SPEC_ENV, raising=False)
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    for make in (
+        lambda: testing.spec_cluster_options({"a": "0"}),
+        lambda: testing.ray_node_options("0"),
+    ):
+        with pytest.raises(SimulatedDriverError, match="the simulated_gpus pytest fixture"):
+            make()
+
+
+def test_a_ray_node_takes_one_ordinal_as_a_dask_worker_does():
+    from gpu_serde.testing import ray_node_options
+
+    assert ray_node_options(2) == {"num_gpus": 1, "env_vars": {"CUDA_VISIBLE_DEVICES": "2"}}
+    with pytest.raises(TypeError, match="not bool"):
+        ray_node_options(True)
+
+
+def test_a_ray_node_off_loopback_is_warned_of_before_ray_binds_this_machines_address(monkeypatch):
+    import warnings
+
+    from gpu_serde.testing import RayAddressWarning, ray_node_options
+
+    monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)
+    with pytest.warns(RayAddressWarning, match=r"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER'\] = '0'"):
+        ray_node_options("0")
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ray_node_options("0")["num_gpus"] == 1  # on loopback: no word
 
 
 def test_sixty_four_gpus_have_distinct_pci_ids_in_the_drivers_form():

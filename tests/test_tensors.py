@@ -175,9 +175,11 @@ def test_to_arena_of_what_is_not_on_a_gpu_says_to_move_it_there_first(make, erro
         gpu_serde.tensors.to_arena(make())
 
 
-def test_empty_where_torch_has_no_gpu_says_so(installed):
+@pytest.mark.parametrize("shape", [(2, 3), 4, torch.Size([4])])
+def test_empty_where_torch_has_no_gpu_says_so(installed, shape):
+    # an int is a shape of one dimension, as torch.empty(4) takes it
     with pytest.raises(DeviceNotVisibleError, match="torch here has no GPU"):
-        gpu_serde.tensors.empty((2, 3))
+        gpu_serde.tensors.empty(shape)
 
 
 @pytest.mark.parametrize(

@@ -138,7 +138,7 @@ def empty(
     :func:`share` sends it without a copy, however often.
 
     Args:
-        shape: its shape (a tuple or ``torch.Size``).
+        shape: its shape (a tuple, a ``torch.Size``, or an int for one dimension).
         dtype: a ``torch.dtype`` (default: torch's default dtype).
         device: the GPU (a ``torch.device``, ``"cuda:1"``, an ordinal or a cuda.core
             ``Device``; default: torch's current device).
@@ -154,6 +154,8 @@ def empty(
         DeviceNotVisibleError: torch here has no GPU (a CPU-only build, or none visible).
     """
     m = module("torch", "gpu_serde.tensors.empty()")
+    if isinstance(shape, int) and not isinstance(shape, bool):
+        shape = (shape,)  # as torch.empty(4)
     nbytes = m.nbytes_of(shape, dtype)  # a shape or dtype that is none: torch's TypeError first
     if arena is not None:
         check_arena(arena)  # before asking torch for a GPU, as the other arguments

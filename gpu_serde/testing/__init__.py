@@ -49,6 +49,7 @@ import shutil
 import subprocess
 import tempfile
 import uuid as _uuid
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +63,7 @@ from gpu_serde.text import quoted
 __dir__ = lister(globals())  # dir() leaves out the imports above
 
 __all__ = [
+    "RayAddressWarning",
     "SimulatedDriverError",
     "SimulatedGPU",
     "activate",
@@ -76,6 +78,16 @@ __all__ = [
 
 
 SPEC_ENV = "GPU_SERDE_SIM_GPUS"
+#: Ray's switch that, set to ``0`` before Ray is imported, keeps its nodes on 127.0.0.1.
+RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+class RayAddressWarning(UserWarning):
+    """A Ray cluster made with :func:`ray_node_options` would bind this machine's outward-facing
+    address: set ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` before importing Ray to keep it on
+    127.0.0.1."""
+
+
 _HERE = Path(__file__).parent
 #: library file name (also its soname) -> its C sources (the first defines the entry points); the
 #: driver's sources share the headers of _HEADERS
@@ -260,10 +272,12 @@ def _spec(gpus: Iterable[SimulatedGPU]) -> str:
 
 
 def _visible_value(visible: object, what: str = "visible") -> str | None:
-    """``CUDA_VISIBLE_DEVICES`` for ``visible``: None (unset), a str as is, or UUIDs/ordinals
-    joined with commas."""
+    """``CUDA_VISIBLE_DEVICES`` for ``visible``: None (unset), a str as is, one ordinal, or
+    UUIDs/ordinals joined with commas."""
     if visible is None or isinstance(visible, str):
         return visible
+    if isinstance(visible, int) and not isinstance(visible, bool):
+        return str(visible)  # one ordinal
     if not isinstance(visible, Iterable):
         raise TypeError(
             f"{what}: a CUDA_VISIBLE_DEVICES string, or a list of GPU UUIDs and ordinals, not "
@@ -389,6 +403,23 @@ def violations() -> int:
     return int(count())
 
 
+def _check_children_have_a_driver(what: str) -> None:
+    """Refuse to lay out a cluster whose processes (which inherit this one's environment) would
+    find no CUDA driver: neither simulated GPUs active here nor a real driver.
+
+    Raises:
+        SimulatedDriverError: neither.
+    """
+    if SPEC_ENV in os.environ or real_driver_present():
+        return
+    raise SimulatedDriverError(
+        f"{what}: its processes would find no CUDA driver: this machine has none, and no "
+        "simulated GPUs are active in this process. Activate them first: the simulated_gpus "
+        "pytest fixture, or gpu_serde.testing.activate(make_gpus(4)) before the cluster starts "
+        "(docs/testing.md)"
+    )
+
+
 def _worker_env(name: str, cvd: str, hosts: Mapping[str, str] | None) -> dict[str, str]:
     env = {"CUDA_VISIBLE_DEVICES": cvd}
     if hosts and name in hosts:
@@ -414,6 +445,8 @@ def spec_cluster_options(
 
     Raises:
         ImportError: distributed is not installed (gpu_serde's ``dask`` extra).
+        SimulatedDriverError: this machine has no CUDA driver and no simulated GPUs are active
+            in this process (the workers would find none).
         TypeError, ValueError: ``layout`` is not a non-empty dict of worker names to
             ``CUDA_VISIBLE_DEVICES`` (a string, an ordinal, or a list of UUIDs and ordinals),
             ``nthreads`` is not a positive int, or ``hosts`` names a worker the layout does not
@@ -436,8 +469,6 @@ def spec_cluster_options(
         raise ValueError(f"spec_cluster_options(nthreads=...): 1 or more, not {nthreads}")
     visible: dict[str, str] = {}
     for name, cvd in layout.items():
-        if isinstance(cvd, int) and not isinstance(cvd, bool):
-            cvd = str(cvd)  # one ordinal
         value = _visible_value(cvd, f"spec_cluster_options(layout[{name!r}])")
         if value is None:
             raise TypeError(
@@ -457,6 +488,7 @@ def spec_cluster_options(
                 f"({', '.join(map(repr, layout))})"
             )
         _host_label(label, f"spec_cluster_options(hosts[{name!r}])")
+    _check_children_have_a_driver("spec_cluster_options")
     workers = {
         name: {
             "cls": Nanny,
@@ -489,8 +521,14 @@ def ray_node_options(
     visible: str | Iterable[str | int], *, host: str | None = None
 ) -> dict[str, Any]:
     """Keyword arguments for ``ray.cluster_utils.Cluster().add_node(...)``: a node whose processes
-    see the GPUs ``visible`` (its ``CUDA_VISIBLE_DEVICES``: a string, or UUIDs/ordinals to join
-    with commas) and whose ``GPU`` resource counts them, so that ``num_gpus`` tasks run there.
+    see the GPUs ``visible`` (its ``CUDA_VISIBLE_DEVICES``: a string, one ordinal, or
+    UUIDs/ordinals to join with commas) and whose ``GPU`` resource counts them, so that
+    ``num_gpus`` tasks run there.
+
+    Ray binds a node to this machine's outward-facing address unless
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` was set before Ray was imported (then to 127.0.0.1):
+    simulated GPUs are this machine's alone, so this warns (:class:`RayAddressWarning`) when it
+    is not set. Set it at the top of your ``conftest.py``.
 
     ``add_node(env_vars={"CUDA_VISIBLE_DEVICES": ...})`` alone gives the node no ``GPU`` resource:
     Ray counts a node's GPUs in the process that adds it, not from ``env_vars``. ``host`` gives
@@ -500,12 +538,25 @@ def ray_node_options(
     Raises:
         TypeError: ``visible`` is neither a string nor a list of UUIDs and ordinals.
         ValueError: ``host`` is not a host label.
+        SimulatedDriverError: this machine has no CUDA driver and no simulated GPUs are active
+            in this process (the node's processes would find none).
     """
+    if os.environ.get(RAY_LOOPBACK_ENV, "").strip().lower() not in ("0", "false"):
+        warnings.warn(
+            RayAddressWarning(
+                f"{RAY_LOOPBACK_ENV} is not 0 here: a Ray cluster started in this process binds "
+                "this machine's outward-facing address, not 127.0.0.1. Set "
+                f"os.environ['{RAY_LOOPBACK_ENV}'] = '0' before importing Ray (at the top of "
+                "conftest.py) to keep it on loopback (docs/testing.md)"
+            ),
+            stacklevel=2,
+        )
     value = _visible_value(visible, "ray_node_options(visible=...)")
     if host is not None:
         _host_label(host, "ray_node_options(host=...)")
     if value is None:
         raise TypeError("ray_node_options(visible=...): the node's CUDA_VISIBLE_DEVICES, not None")
+    _check_children_have_a_driver("ray_node_options")
     env = {"CUDA_VISIBLE_DEVICES": value}
     if host is not None:
         env[HOST_ENV] = host

@@ -139,6 +139,11 @@ def _simulate(args: argparse.Namespace) -> int:
     except testing.SimulatedDriverError as exc:
         return _fail(f"simulate: {exc}")
     command = args.command_line[1:] if args.command_line[:1] == ["--"] else args.command_line
+    if not command and getattr(args, "ends_with_dashes", False):  # a command meant, none given
+        return _fail(
+            f"simulate: nothing to run after '--': give a command ({PROG} simulate 4 -- python "
+            f"app.py), or leave out '--' to set up this shell (eval \"$({PROG} simulate 4)\")"
+        )
     if command:
         sys.stdout.flush()
         try:
@@ -174,13 +179,20 @@ def _positive_count(text: str) -> int:
     return value
 
 
+#: The longest ``--timeout`` the doctor takes (a day): more is no wait a user means, and the
+#: engines' clocks refuse far larger ones.
+MAX_WAIT_S = 86_400
+
+
 def _positive_seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"a number of seconds, not {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, not {text}")
+    if not 0 < value <= MAX_WAIT_S:
+        raise argparse.ArgumentTypeError(
+            f"must be more than 0 seconds and at most {MAX_WAIT_S:,} (a day), not {text}"
+        )
     return value
 
 
@@ -292,7 +304,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``gpu-serde``; returns the exit status (2 for a missing extra or an
     unreachable cluster, with one line on stderr)."""
-    args = _parser().parse_args(argv)
+    given = sys.argv[1:] if argv is None else list(argv)
+    args = _parser().parse_args(given)
+    # argparse drops a last "--" with nothing after it: "simulate 4 --" meant a command
+    args.ends_with_dashes = given[-1:] == ["--"]
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

@@ -1,7 +1,7 @@
 """``gpu-serde doctor``: what each process of a running Ray or Dask cluster sees, and what is wrong.
 
 For each worker (and the Dask scheduler): host, pid, ``CUDA_VISIBLE_DEVICES``, its GPU map
-(ordinal, UUID) and whether gpu_serde is installed there. Flags processes without gpu_serde, GPUs
+(ordinal, UUID) and whether gpu_serde is set up there. Flags processes without gpu_serde, GPUs
 that more than one worker (Dask) or node (Ray) claims, and fewer workers than expected.
 """
 
@@ -131,7 +131,10 @@ def _report(name: str, raw: dict[str, Any] | BaseException, role: str = "worker"
         role=role,
     )
     if not r.installed and role != "client":
-        r.problems.append(f"gpu_serde is not installed in this {role}: Devices leave it by ordinal")
+        r.problems.append(
+            f"gpu_serde is not set up in this {role} (the package may be there; "
+            "gpu_serde.install() has not run): Devices leave it by ordinal"
+        )
     return r
 
 
@@ -254,9 +257,35 @@ def _use_ray_token() -> str | None:
     return source
 
 
+def _check_ray_address(address: str) -> None:
+    """Refuse what is no Ray address at once (Ray itself would wait on it for minutes).
+
+    Raises:
+        AddressError: a Dask scheduler's ``tcp://`` address, or a ``host:port`` whose port is
+            not 1 to 65535.
+    """
+    scheme, sep, rest = address.partition("://")
+    if sep and scheme.lower() in ("tcp", "tls", "ucx", "inproc", "ws", "wss"):
+        raise AddressError(
+            f"{scheme}:// is how a Dask scheduler's address begins: use --scheduler for Dask; "
+            "--ray takes a Ray head's host:port (its GCS, port 6379 unless --port said otherwise)"
+        )
+    host, sep, port = (rest if sep else address).rpartition(":")
+    if sep and not (port.isdigit() and 1 <= int(port) <= 65535):
+        raise AddressError(f"the port must be a number from 1 to 65535, not {quoted(port)}")
+    if sep and not host.strip("[]"):
+        raise AddressError("no host before the port")
+
+
 def _check_listening(address: str, timeout: float) -> None:
     """Fail at once when nothing listens at a ``host:port`` address (Ray itself would retry for
-    two minutes)."""
+    two minutes).
+
+    Raises:
+        AddressError: as :func:`_check_ray_address`.
+        ConnectionError: nothing listens there.
+    """
+    _check_ray_address(address)
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit() or "/" in address:
         return  # "auto", "ray://...", ...: Ray's own lookup
@@ -320,6 +349,7 @@ def _connect_ray(address: str, extra: dict[str, Any], timeout: float, source: st
     Raises:
         ConnectionError: nothing listens there, or Ray refused (token authentication: what to
             do), or could not connect (what Ray said).
+        AddressError: ``address`` is no Ray address (:func:`_check_ray_address`).
     """
     _check_listening(address, timeout)
     import gpu_serde.ray  # Ray, an optional extra, only now: after the token mode is set
@@ -353,6 +383,8 @@ def survey_ray(
     Raises:
         ConnectionError: no Ray cluster answers at ``address``, or it refused this process (the
             message says why and what to do).
+        AddressError: ``address`` is no Ray address (a Dask scheduler's ``tcp://``, a port that
+            is not 1 to 65535).
     """
     me = _this_process()
     source = _use_ray_token()  # before Ray is imported: it reads the mode then
@@ -419,13 +451,13 @@ def render(survey: Survey) -> str:
         cvd = "unset" if r.cuda_visible_devices is None else quoted(r.cuda_visible_devices)
         if r.role == "client":  # the caller: the doctor's own process, or a driver that asked
             state = f"gpu_serde {safe(r.version)}" + (
-                ", installed (sends Devices by UUID)"
+                ", set up (sends Devices by UUID)"
                 if r.installed
-                else " (not installed: this process sends no Device; only its peers must)"
+                else " (not set up: this process sends no Device; only its peers must)"
             )
         else:
-            installed = f"gpu_serde {safe(r.version)} installed"
-            state = installed if r.installed else "gpu_serde NOT installed"
+            installed = f"gpu_serde {safe(r.version)} set up"
+            state = installed if r.installed else "gpu_serde NOT set up"
         lines.append(
             f"{safe(r.name)}: host {safe(r.host)}, pid {safe(r.pid)}, "
             f"CUDA_VISIBLE_DEVICES={cvd}, {state}"
