@@ -559,25 +559,35 @@ def close_behind_simulated_work(buf) -> dict:
     return {"queued at the close": queued, "began": began}
 
 
-def test_a_buffer_closed_behind_simulated_work_comes_back_only_once_that_work_is_done(
-    installed, monkeypatch
-):
-    # the CPU tier's walk of the busy-stream close: the close records an event and the release
-    # waits for it (the real GPU tier checks the bytes with a kernel instead)
+def back_after_simulated_work(installed, monkeypatch, job, pieces: int, pickled: bool) -> dict:
+    """Run ``job`` in a child (its simulated work lasting WORK_MS) on an arena of this process
+    cut into ``pieces`` buffers (the buffer itself for one, else their pickles); close them here
+    and wait until the whole arena is back: the job's answer, with when that was (``back``)."""
     short_release_grace(monkeypatch, 0.0)
     gpus = installed
     dev = Device(len(gpus) - 1)
     dev.set_current()
     arena = ArenaMemoryResource(dev, 4 << 20)
-    buf = arena.allocate(arena.size)
+    bufs = [arena.allocate(arena.size // pieces) for _ in range(pieces)]
+    arg = [pickle.dumps(b) for b in bufs] if pickled else bufs[0]
     with child(monkeypatch, gpus[-1].uuid, GPU_SERDE_SIM_WORK_MS=str(WORK_MS)) as c:
-        got = c.run(close_behind_simulated_work, buf)
-        buf.close()
-        assert got["queued at the close"]  # else the test means nothing
-        again = whole_again(arena)
-        back = time.monotonic()  # one clock for both processes (CLOCK_MONOTONIC)
-    assert back >= got["began"] + WORK_MS / 1e3  # not before the child's stream was done
+        got = c.run(job, arg)
+        for buf in bufs:
+            buf.close()
+        again = whole_again(arena)  # every block back: the whole arena in one piece
+        got["back"] = time.monotonic()  # one clock for both processes (CLOCK_MONOTONIC)
     again.close()
+    return got
+
+
+def test_a_buffer_closed_behind_simulated_work_comes_back_only_once_that_work_is_done(
+    installed, monkeypatch
+):
+    # the CPU tier's walk of the busy-stream close: the close records an event and the release
+    # waits for it (the real GPU tier checks the bytes with a kernel instead)
+    got = back_after_simulated_work(installed, monkeypatch, close_behind_simulated_work, 1, False)
+    assert got["queued at the close"]  # else the test means nothing
+    assert got["back"] >= got["began"] + WORK_MS / 1e3  # not before the child's stream was done
 
 
 def drop_one_then_one_behind_simulated_work(blobs) -> dict:
@@ -610,22 +620,10 @@ def test_a_collected_buffer_comes_back_only_once_work_queued_on_any_stream_is_do
     # the CPU tier's walk of a collected (not closed) buffer's release: it waits for the whole
     # device, so work queued over it on a stream of the receiver's own is done first, even right
     # after another buffer's release found the device idle
-    short_release_grace(monkeypatch, 0.0)
-    gpus = installed
-    dev = Device(len(gpus) - 1)
-    dev.set_current()
-    arena = ArenaMemoryResource(dev, 4 << 20)
-    bufs = [arena.allocate(arena.size // 2) for _ in range(2)]
-    blobs = [pickle.dumps(b) for b in bufs]
-    with child(monkeypatch, gpus[-1].uuid, GPU_SERDE_SIM_WORK_MS=str(WORK_MS)) as c:
-        got = c.run(drop_one_then_one_behind_simulated_work, blobs)
-        for buf in bufs:
-            buf.close()
-        again = whole_again(arena)  # both blocks back: the whole arena in one piece
-        back = time.monotonic()  # one clock for both processes (CLOCK_MONOTONIC)
+    job = drop_one_then_one_behind_simulated_work
+    got = back_after_simulated_work(installed, monkeypatch, job, 2, True)
     assert got["queued at the drop"]  # else the test means nothing
-    assert back >= got["began"] + WORK_MS / 1e3  # not before the child's stream was done
-    again.close()
+    assert got["back"] >= got["began"] + WORK_MS / 1e3  # not before the child's stream was done
 
 
 def send_behind_simulated_work(_) -> dict:
