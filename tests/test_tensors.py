@@ -377,3 +377,47 @@ def test_dask_carries_cpu_tensors_and_placeholders_worker_to_worker_and_no_futur
         with pytest.raises(DeviceNotVisibleError):
             used.result(timeout=60)  # the typed error, not a future that never settles
     assert total == t.sum().item()
+
+
+# ---- gpu_serde.testing.sent_tensor: what a GPU worker's CUDA tensor looks like on a CPU machine
+@pytest.mark.parametrize("name", ["contiguous", "transposed", "storage offset", "parameter"])
+def test_a_cuda_tensor_from_a_gpu_worker_arrives_as_a_placeholder_whose_bytes_place_on_cpu(
+    installed, name
+):
+    from gpu_serde.testing import sent_tensor
+
+    t = CASES[name]
+    x = pickle.loads(sent_tensor(t, installed[0]))  # the GPU is this process's; torch's is CPU
+    assert isinstance(x, UnresolvedObject)
+    with pytest.raises(DeviceNotVisibleError, match="torch here has no GPU") as info:
+        x.sum()
+    assert "gpu_serde.tensors.place(x, 'cpu')" in str(info.value)
+    got = gpu_serde.tensors.place(x, "cpu")
+    assert type(got) is type(t) and got.requires_grad == t.requires_grad
+    assert got.shape == t.shape and got.stride() == t.stride() and torch.equal(got, t)
+
+
+def test_a_cuda_tensor_from_a_gpu_this_process_does_not_see_says_which_gpu(installed):
+    from gpu_serde.testing import make_gpus, sent_tensor
+
+    elsewhere = make_gpus(1, seed="another node")[0]
+    x = pickle.loads(sent_tensor(CASES["contiguous"], elsewhere, host="node-b"))
+    with pytest.raises(DeviceNotVisibleError, match=elsewhere.uuid) as info:
+        x.sum()
+    assert "node-b" in str(info.value)
+    assert torch.equal(gpu_serde.tensors.place(x, "cpu"), CASES["contiguous"])
+
+
+@pytest.mark.parametrize(
+    ("t", "gpu", "says"),
+    [
+        ([1, 2], "gpu", "a CPU torch.Tensor, not list"),
+        (torch.zeros(2), "GPU-0", "a SimulatedGPU, not str"),
+        (torch.zeros(2).to_sparse(), None, "dense"),
+    ],
+)
+def test_sent_tensor_says_what_it_takes(installed, t, gpu, says):
+    from gpu_serde.testing import sent_tensor
+
+    with pytest.raises(TypeError, match=says):
+        sent_tensor(t, installed[0] if gpu is None else gpu)

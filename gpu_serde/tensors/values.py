@@ -22,8 +22,9 @@ def rebuild_value(payload: object) -> Any:
     process's ordinal of the same GPU.
 
     Raises:
-        PayloadError: malformed; DeviceNotVisibleError: the GPU is not visible here;
-        HandoffError: the library is missing here, or the copy failed.
+        PayloadError: malformed; DeviceNotVisibleError: the GPU is not visible here, or
+            torch here has no CUDA; HandoffError: the library is missing here, or the copy
+            failed.
     """
     p = decode_tval(payload)
     try:
@@ -36,7 +37,15 @@ def rebuild_value(payload: object) -> Any:
             host=exc.host,
             visible=exc.visible,
         ) from None
-    return module(p.meta.library).from_value(p, ordinal)
+    m = module(p.meta.library)
+    if p.meta.library == "torch" and not sys.modules["torch"].cuda.is_available():
+        raise DeviceNotVisibleError(  # the driver sees the GPU; this process's torch does not
+            f"a {NAMES['torch']} arrived for this process's GPU {ordinal}, and torch here has no "
+            "GPU (torch.cuda.is_available() is False: a CPU-only torch build, or simulated GPUs, "
+            "which run no torch CUDA). Its bytes came with it: gpu_serde.tensors.place(x, "
+            "'cpu') puts them there."
+        )
+    return m.from_value(p, ordinal)
 
 
 def rebuild_ipc(payload: object) -> Any:

@@ -72,6 +72,7 @@ __all__ = [
     "make_gpus",
     "ray_node_options",
     "real_driver_present",
+    "sent_tensor",
     "spec_cluster_options",
     "violations",
 ]
@@ -401,6 +402,62 @@ def violations() -> int:
         raise SimulatedDriverError("the simulated driver is not loaded in this process") from None
     count.restype = ctypes.c_long
     return int(count())
+
+
+def sent_tensor(t: Any, gpu: SimulatedGPU, *, host: str = "gpu-worker") -> bytes:
+    """The pickle that a CUDA torch tensor laid out like ``t`` makes when a process on host
+    ``host`` sends it by value from the GPU ``gpu`` (gpu_serde installed there): ``t`` is a CPU
+    tensor or ``nn.Parameter`` here, whose dtype, shape, strides, storage offset,
+    ``requires_grad`` and bytes it carries. What your receiving code gets from a GPU worker, for
+    testing that code on a machine without one: ``pickle.loads`` of it, where torch has no CUDA
+    (or does not see that GPU), is a placeholder that raises ``DeviceNotVisibleError`` when used,
+    and ``gpu_serde.tensors.place(x, "cpu")`` gives a tensor with those bytes.
+
+    Raises:
+        TypeError: ``t`` is not a dense CPU ``torch.Tensor`` or ``nn.Parameter`` without Python
+            attributes of its own, or ``gpu`` is not a :class:`SimulatedGPU`.
+    """
+    import pickle
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(t, torch.Tensor):
+        raise TypeError(f"sent_tensor(t=...): a CPU torch.Tensor, not {type(t).__name__}")
+    if not isinstance(gpu, SimulatedGPU):
+        raise TypeError(f"sent_tensor(gpu=...): a SimulatedGPU, not {type(gpu).__name__}")
+    from gpu_serde import wire
+    from gpu_serde.format.device import VERSION, encode_device
+    from gpu_serde.format.tensor import TvalPayload
+    from gpu_serde.tensors import torch as reducers
+
+    if t.device.type != "cpu" or type(t) not in reducers._KINDS or getattr(t, "__dict__", None):
+        raise TypeError(
+            "sent_tensor(t=...): a dense CPU torch.Tensor or nn.Parameter without attributes of "
+            f"its own, not a {type(t).__name__} on {t.device} (its layout and bytes are what "
+            "is sent)"
+        )
+    if t.layout != torch.strided or t.is_quantized or t.is_nested:
+        raise TypeError("sent_tensor(t=...): a dense (strided) tensor")
+    meta = reducers.meta_of(t.detach())._replace(
+        kind=reducers._KINDS[type(t)], requires_grad=bool(t.requires_grad)
+    )
+    low, high = meta.span()
+    flat = t.detach().resolve_conj().resolve_neg().as_strided((high - low,), (1,), low)
+    data = flat.contiguous().view(torch.uint8).numpy().tobytes() if high > low else b""
+    raw = bytes.fromhex(gpu.uuid[4:].replace("-", ""))
+    device = encode_device(raw, gpu.uuid.startswith("MIG-"), 0, 0, host, gpu.name)
+    payload = TvalPayload(VERSION, device, meta, low, len(data), data).wire()
+    return pickle.dumps(_Sent(wire.tval, payload))
+
+
+class _Sent:
+    """Pickles as ``rebuild(payload)``: what a sender's reducer puts on the wire."""
+
+    def __init__(self, rebuild: Any, payload: Any) -> None:
+        self.rebuild, self.payload = rebuild, payload
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (self.rebuild, (self.payload,))
 
 
 def _check_children_have_a_driver(what: str) -> None:
