@@ -127,6 +127,7 @@ def test_an_address_that_is_no_address_is_one_line_with_what_was_wrong_escaped()
     [
         ("127.0.0.1:-5", "the port must be a number from 1 to 65535, not '-5'"),
         ("127.0.0.1:70000", "the port must be a number from 1 to 65535, not '70000'"),
+        ("127.0.0.1:\u00b2", "the port must be a number from 1 to 65535, not '\u00b2'"),
         (":6379", "no host before the port"),
         ("tcp://127.0.0.1:8786", "use --scheduler for Dask"),
     ],

@@ -144,14 +144,23 @@ def test_a_cluster_laid_out_with_no_driver_and_no_simulated_gpus_says_how_to_get
 
     if testing.real_driver_present():
         pytest.skip("a real CUDA driver is here: its workers would find it")
-    monkeypatch.delenv(testing.SPEC_ENV, raising=False)
     monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    for make in (
-        lambda: testing.spec_cluster_options({"a": "0"}),
-        lambda: testing.ray_node_options("0"),
-    ):
-        with pytest.raises(SimulatedDriverError, match="the simulated_gpus pytest fixture"):
-            make()
+    # no simulated GPUs at all; or their list, but not their driver where children load it from
+    for env in ({testing.SPEC_ENV: None}, {"LD_LIBRARY_PATH": None}, {testing.SPEC_ENV: ""}):
+        for name, value in env.items():
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        for make in (
+            lambda: testing.spec_cluster_options({"a": "0"}),
+            lambda: testing.ray_node_options("0"),
+        ):
+            with pytest.raises(SimulatedDriverError, match="the simulated_gpus pytest fixture"):
+                make()
+        monkeypatch.undo()
+        monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    assert testing.ray_node_options("0")["num_gpus"] == 1  # this session's simulated GPUs: laid out
 
 
 def test_a_ray_node_takes_one_ordinal_as_a_dask_worker_does():
@@ -167,13 +176,19 @@ def test_a_ray_node_off_loopback_is_warned_of_before_ray_binds_this_machines_add
 
     from gpu_serde.testing import RayAddressWarning, ray_node_options
 
-    monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)
-    with pytest.warns(RayAddressWarning, match=r"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER'\] = '0'"):
-        ray_node_options("0")
-    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert ray_node_options("0")["num_gpus"] == 1  # on loopback: no word
+    # Ray's own rule (Linux): unset, "1" or "true" bind outward; anything else keeps loopback
+    for value in (None, "1", "TRUE"):
+        if value is None:
+            monkeypatch.delenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", raising=False)
+        else:
+            monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", value)
+        with pytest.warns(RayAddressWarning, match=r"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER'\] = '0'"):
+            ray_node_options("0")
+    for value in ("0", "false", "no"):
+        monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", value)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert ray_node_options("0")["num_gpus"] == 1  # on loopback: no word
 
 
 def test_sixty_four_gpus_have_distinct_pci_ids_in_the_drivers_form():

@@ -47,6 +47,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import uuid as _uuid
 import warnings
@@ -56,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_serde.hostid import HOST_ENV, label_identity
-from gpu_serde.identity import canonical_uuid
+from gpu_serde.identity import canonical_uuid, uuid_bytes
 from gpu_serde.listing import lister
 from gpu_serde.text import quoted
 
@@ -81,6 +82,16 @@ __all__ = [
 SPEC_ENV = "GPU_SERDE_SIM_GPUS"
 #: Ray's switch that, set to ``0`` before Ray is imported, keeps its nodes on 127.0.0.1.
 RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def _ray_binds_outward() -> bool:
+    """Whether Ray, by its own rule for ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` (read when Ray is
+    imported: set it before), binds nodes to this machine's outward-facing address: when the
+    variable is ``1`` or ``true``, or unset on Linux."""
+    value = os.environ.get(RAY_LOOPBACK_ENV)
+    if value is None:
+        return sys.platform not in ("darwin", "win32")
+    return value.strip().lower() in ("1", "true")
 
 
 class RayAddressWarning(UserWarning):
@@ -293,7 +304,7 @@ def _visible_value(visible: object, what: str = "visible") -> str | None:
 
 def child_env(
     gpus: Iterable[SimulatedGPU],
-    visible: str | Iterable[str | int] | None = None,
+    visible: str | int | Iterable[str | int] | None = None,
     *,
     base: Mapping[str, str] | None = None,
     allow_real_driver: bool = False,
@@ -304,7 +315,8 @@ def child_env(
     Args:
         gpus: every GPU of the simulated host.
         visible: the child's ``CUDA_VISIBLE_DEVICES``: ``None`` leaves it unset (all GPUs), a string
-            is used as is, an iterable of UUIDs/ordinals is joined with commas.
+            is used as is, one ordinal (an int) or an iterable of UUIDs/ordinals is joined with
+            commas.
         base: the environment to start from (default: this process's).
         allow_real_driver: shadow a real driver on this machine (refused by default).
 
@@ -332,7 +344,7 @@ def child_env(
 
 def activate(
     gpus: Iterable[SimulatedGPU],
-    visible: str | Iterable[str | int] | None = None,
+    visible: str | int | Iterable[str | int] | None = None,
     *,
     allow_real_driver: bool = False,
 ) -> None:
@@ -415,10 +427,10 @@ def sent_tensor(t: Any, gpu: SimulatedGPU, *, host: str = "gpu-worker") -> bytes
 
     Raises:
         TypeError: ``t`` is not a dense CPU ``torch.Tensor`` or ``nn.Parameter`` without Python
-            attributes of its own, or ``gpu`` is not a :class:`SimulatedGPU`.
+            attributes of its own, ``gpu`` is not a :class:`SimulatedGPU`, or ``host`` is not
+            printable text.
     """
     import pickle
-    import sys
 
     torch = sys.modules.get("torch")
     if torch is None or not isinstance(t, torch.Tensor):
@@ -438,14 +450,20 @@ def sent_tensor(t: Any, gpu: SimulatedGPU, *, host: str = "gpu-worker") -> bytes
         )
     if t.layout != torch.strided or t.is_quantized or t.is_nested:
         raise TypeError("sent_tensor(t=...): a dense (strided) tensor")
-    meta = reducers.meta_of(t.detach())._replace(
-        kind=reducers._KINDS[type(t)], requires_grad=bool(t.requires_grad)
-    )
+    if not isinstance(host, str) or not host or not host.isprintable():
+        raise TypeError(f"sent_tensor(host=...): a host name (printable text), not {host!r:.40}")
+    kind, grad = reducers._KINDS[type(t)], bool(t.requires_grad)
+    plain = t.detach()  # as the sender's reducer: conjugate and negative views resolved first
+    if plain.is_conj():
+        plain = plain.resolve_conj()
+    if plain.is_neg():
+        plain = plain.resolve_neg()
+    meta = reducers.meta_of(plain)._replace(kind=kind, requires_grad=grad)
     low, high = meta.span()
-    flat = t.detach().resolve_conj().resolve_neg().as_strided((high - low,), (1,), low)
+    flat = plain.as_strided((high - low,), (1,), low)
     data = flat.contiguous().view(torch.uint8).numpy().tobytes() if high > low else b""
-    raw = bytes.fromhex(gpu.uuid[4:].replace("-", ""))
-    device = encode_device(raw, gpu.uuid.startswith("MIG-"), 0, 0, host, gpu.name)
+    raw = uuid_bytes(gpu.uuid)
+    device = encode_device(raw, gpu.uuid.startswith("MIG-"), 0, os.getpid(), host, gpu.name)
     payload = TvalPayload(VERSION, device, meta, low, len(data), data).wire()
     return pickle.dumps(_Sent(wire.tval, payload))
 
@@ -467,12 +485,19 @@ def _check_children_have_a_driver(what: str) -> None:
     Raises:
         SimulatedDriverError: neither.
     """
-    if SPEC_ENV in os.environ or real_driver_present():
+    if os.environ.get(SPEC_ENV) and any(
+        os.path.basename(d.rstrip("/")).startswith("simdriver-")
+        and os.path.exists(os.path.join(d, "libcuda.so.1"))
+        for d in os.environ.get("LD_LIBRARY_PATH", "").split(":")
+        if d
+    ):
+        return  # simulated GPUs, and their driver on the path children load from
+    if real_driver_present():
         return
     raise SimulatedDriverError(
         f"{what}: its processes would find no CUDA driver: this machine has none, and no "
-        "simulated GPUs are active in this process. Activate them first: the simulated_gpus "
-        "pytest fixture, or gpu_serde.testing.activate(make_gpus(4)) before the cluster starts "
+        "simulated GPUs are active in this process. Activate them before laying out the "
+        "cluster: the simulated_gpus pytest fixture, or gpu_serde.testing.activate(make_gpus(4)) "
         "(docs/testing.md)"
     )
 
@@ -575,7 +600,7 @@ def _host_label(label: object, where: str) -> None:
 
 
 def ray_node_options(
-    visible: str | Iterable[str | int], *, host: str | None = None
+    visible: str | int | Iterable[str | int], *, host: str | None = None
 ) -> dict[str, Any]:
     """Keyword arguments for ``ray.cluster_utils.Cluster().add_node(...)``: a node whose processes
     see the GPUs ``visible`` (its ``CUDA_VISIBLE_DEVICES``: a string, one ordinal, or
@@ -593,12 +618,19 @@ def ray_node_options(
     Merge your own options in: ``add_node(num_cpus=2, **ray_node_options(...))``.
 
     Raises:
-        TypeError: ``visible`` is neither a string nor a list of UUIDs and ordinals.
+        TypeError: ``visible`` is neither a string, an ordinal, nor a list of UUIDs and
+            ordinals.
         ValueError: ``host`` is not a host label.
         SimulatedDriverError: this machine has no CUDA driver and no simulated GPUs are active
             in this process (the node's processes would find none).
     """
-    if os.environ.get(RAY_LOOPBACK_ENV, "").strip().lower() not in ("0", "false"):
+    value = _visible_value(visible, "ray_node_options(visible=...)")
+    if host is not None:
+        _host_label(host, "ray_node_options(host=...)")
+    if value is None:
+        raise TypeError("ray_node_options(visible=...): the node's CUDA_VISIBLE_DEVICES, not None")
+    _check_children_have_a_driver("ray_node_options")
+    if _ray_binds_outward():
         warnings.warn(
             RayAddressWarning(
                 f"{RAY_LOOPBACK_ENV} is not 0 here: a Ray cluster started in this process binds "
@@ -608,12 +640,6 @@ def ray_node_options(
             ),
             stacklevel=2,
         )
-    value = _visible_value(visible, "ray_node_options(visible=...)")
-    if host is not None:
-        _host_label(host, "ray_node_options(host=...)")
-    if value is None:
-        raise TypeError("ray_node_options(visible=...): the node's CUDA_VISIBLE_DEVICES, not None")
-    _check_children_have_a_driver("ray_node_options")
     env = {"CUDA_VISIBLE_DEVICES": value}
     if host is not None:
         env[HOST_ENV] = host

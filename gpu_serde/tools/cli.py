@@ -229,8 +229,8 @@ def _parser() -> argparse.ArgumentParser:
         "doctor",
         "what every worker of a running cluster sees, and what is wrong",
         "Ask every worker of a running cluster (and the Dask scheduler) which GPUs it sees, by "
-        "ordinal and UUID, and whether gpu_serde is installed there. Flags missing installs, "
-        "GPUs that two workers compute on, and fewer workers than --expect.",
+        "ordinal and UUID, and whether gpu_serde is set up there. Flags processes where it is "
+        "not, GPUs that two workers compute on, and fewer workers than --expect.",
         DOCTOR_EXAMPLES,
     )
     target = p.add_mutually_exclusive_group(required=True)

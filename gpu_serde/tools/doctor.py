@@ -270,8 +270,10 @@ def _check_ray_address(address: str) -> None:
             f"{scheme}:// is how a Dask scheduler's address begins: use --scheduler for Dask; "
             "--ray takes a Ray head's host:port (its GCS, port 6379 unless --port said otherwise)"
         )
-    host, sep, port = (rest if sep else address).rpartition(":")
-    if sep and not (port.isdigit() and 1 <= int(port) <= 65535):
+    if sep and scheme.lower() != "ray":
+        return  # another scheme (a client builder's module): Ray's own lookup
+    host, sep, port = (rest if sep else address).rstrip("/").rpartition(":")
+    if sep and not (port.isascii() and port.isdecimal() and 1 <= int(port) <= 65535):
         raise AddressError(f"the port must be a number from 1 to 65535, not {quoted(port)}")
     if sep and not host.strip("[]"):
         raise AddressError("no host before the port")
