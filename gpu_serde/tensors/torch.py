@@ -100,9 +100,11 @@ def current_stream(ordinal: int) -> int:
 
 
 # ---- by value: pickle, cloudpickle, Ray, Dask ----
-def value_payload(t: Any) -> TvalPayload:
+def value_payload(t: Any, device: bytes | None = None) -> TvalPayload:
     """``t``'s by-value payload: the bytes of the elements it touches (not the rest of its
-    storage), copied to host memory after the work queued on torch's current stream.
+    storage), copied to host memory after the work queued on torch's current stream, and its GPU
+    (``device``, a device payload: by default that of ``t``'s own GPU; given, ``t`` may be a CPU
+    tensor, as :func:`gpu_serde.testing.sent_tensor` makes one).
 
     Raises:
         HostCopyError: the copy does not fit in this host's available memory.
@@ -126,7 +128,9 @@ def value_payload(t: Any) -> TvalPayload:
     flat = t.as_strided((high - low,), (1,), low)
     host = flat.cpu() if high > low else torch.empty((0,), dtype=t.dtype)
     view = memoryview(host.view(torch.uint8).numpy()).cast("B")
-    return TvalPayload(VERSION, device_payload(Device(t.device.index)), meta, low, nbytes, view)
+    if device is None:
+        device = device_payload(Device(t.device.index))
+    return TvalPayload(VERSION, device, meta, low, nbytes, view)
 
 
 def reduce_tensor(t: Any) -> tuple[Any, ...]:

@@ -80,6 +80,8 @@ __all__ = [
 
 
 SPEC_ENV = "GPU_SERDE_SIM_GPUS"
+#: How the folders the stand-in is built into begin (:func:`driver_dir`).
+DRIVER_DIR_PREFIX = "simdriver-"
 #: Ray's switch that, set to ``0`` before Ray is imported, keeps its nodes on 127.0.0.1.
 RAY_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
@@ -212,7 +214,7 @@ def driver_dir() -> Path:
         digest.update(source.read_bytes() + b"\0")
     for name, sources in _LIBRARIES.items():
         digest.update(name.encode() + b"\0" + b"".join(p.read_bytes() for p in sources) + b"\0")
-    folder = _cache_root() / f"simdriver-{digest.hexdigest()[:16]}"
+    folder = _cache_root() / f"{DRIVER_DIR_PREFIX}{digest.hexdigest()[:16]}"
     for name, sources in _LIBRARIES.items():
         if not (folder / name).exists():
             _build(sources, folder, name)
@@ -438,9 +440,9 @@ def sent_tensor(t: Any, gpu: SimulatedGPU, *, host: str = "gpu-worker") -> bytes
     if not isinstance(gpu, SimulatedGPU):
         raise TypeError(f"sent_tensor(gpu=...): a SimulatedGPU, not {type(gpu).__name__}")
     from gpu_serde import wire
-    from gpu_serde.format.device import VERSION, encode_device
-    from gpu_serde.format.tensor import TvalPayload
+    from gpu_serde.format.device import encode_device
     from gpu_serde.tensors import torch as reducers
+    from gpu_serde.tensors.common import Carried
 
     if t.device.type != "cpu" or type(t) not in reducers._KINDS or getattr(t, "__dict__", None):
         raise TypeError(
@@ -452,19 +454,10 @@ def sent_tensor(t: Any, gpu: SimulatedGPU, *, host: str = "gpu-worker") -> bytes
         raise TypeError("sent_tensor(t=...): a dense (strided) tensor")
     if not isinstance(host, str) or not host or not host.isprintable():
         raise TypeError(f"sent_tensor(host=...): a host name (printable text), not {host!r:.40}")
-    kind, grad = reducers._KINDS[type(t)], bool(t.requires_grad)
-    plain = t.detach()  # as the sender's reducer: conjugate and negative views resolved first
-    if plain.is_conj():
-        plain = plain.resolve_conj()
-    if plain.is_neg():
-        plain = plain.resolve_neg()
-    meta = reducers.meta_of(plain)._replace(kind=kind, requires_grad=grad)
-    low, high = meta.span()
-    flat = plain.as_strided((high - low,), (1,), low)
-    data = flat.contiguous().view(torch.uint8).numpy().tobytes() if high > low else b""
     raw = uuid_bytes(gpu.uuid)
     device = encode_device(raw, gpu.uuid.startswith("MIG-"), 0, os.getpid(), host, gpu.name)
-    payload = TvalPayload(VERSION, device, meta, low, len(data), data).wire()
+    p = reducers.value_payload(t, device)  # the sender's own reducer's payload
+    payload = p._replace(data=Carried(p.data)).wire()
     return pickle.dumps(_Sent(wire.tval, payload))
 
 
@@ -478,6 +471,12 @@ class _Sent:
         return (self.rebuild, (self.payload,))
 
 
+def is_driver_dir(path: str) -> bool:
+    """True for a folder the stand-in driver is built into (:func:`driver_dir`'s form): what
+    ``gpu-serde simulate --off`` takes off ``LD_LIBRARY_PATH``."""
+    return bool(path) and os.path.basename(path.rstrip("/")).startswith(DRIVER_DIR_PREFIX)
+
+
 def _check_children_have_a_driver(what: str) -> None:
     """Refuse to lay out a cluster whose processes (which inherit this one's environment) would
     find no CUDA driver: neither simulated GPUs active here nor a real driver.
@@ -486,10 +485,8 @@ def _check_children_have_a_driver(what: str) -> None:
         SimulatedDriverError: neither.
     """
     if os.environ.get(SPEC_ENV) and any(
-        os.path.basename(d.rstrip("/")).startswith("simdriver-")
-        and os.path.exists(os.path.join(d, "libcuda.so.1"))
+        is_driver_dir(d) and os.path.exists(os.path.join(d, "libcuda.so.1"))
         for d in os.environ.get("LD_LIBRARY_PATH", "").split(":")
-        if d
     ):
         return  # simulated GPUs, and their driver on the path children load from
     if real_driver_present():

@@ -115,7 +115,7 @@ def _simulate(args: argparse.Namespace) -> int:
     kept = [
         p
         for p in os.environ.get("LD_LIBRARY_PATH", "").split(":")
-        if p and not os.path.basename(p.rstrip("/")).startswith("simdriver-")
+        if p and not testing.is_driver_dir(p)
     ]
     if args.off:
         if args.command_line:
