@@ -311,12 +311,17 @@ def consume_task(obj: Any, max_size: int) -> int:
 
 
 # ---- multiprocessing: a warm spawned child ----
-def serve(inbox: Any, outbox: Any, max_size: int) -> None:
-    """The child: answers each object with its marker until it gets None."""
+def serve(inbox: Any, outbox: Any, max_size: int, drop_first: bool = False) -> None:
+    """The child: answers each object with its marker until it gets None. It lets go of what it
+    received after replying, or before when ``drop_first`` (a Buffer is closed in ``consume``
+    either way; a tensor is released when dropped)."""
     outbox.put(setup(max_size))
     while True:
         obj = inbox.get()
         if obj is None:
             return
-        outbox.put(consume(obj))
-        del obj
+        got = consume(obj)
+        if drop_first:
+            del obj
+        outbox.put(got)
+        obj = None

@@ -5,8 +5,8 @@ and gpu_serde's by-value path: Ray actor to actor and task to task, Dask worker 
 multiprocessing (a warm spawned child).
 
     python benchmarks/tensor_table.py [--sizes 1MiB,64MiB,1GiB,4GiB,16GiB] [--rounds 31]
-        [--engines ray-actor,ray-task,dask,mp] [--paths share,arena,...] [--json results.json]
-        [--raw-json raw.json]
+        [--engines ray-actor,ray-task,dask,mp] [--paths share,arena,...]
+        [--receiver-drops after-reply|before-reply] [--json results.json] [--raw-json raw.json]
 
 It needs a real GPU and torch with CUDA (CuPy for nothing; Ray and distributed for their
 engines). The method is ``handoff_table.py``'s (whose helpers it uses): a hand-off is the median
@@ -14,7 +14,9 @@ over rounds of (round trip with the object minus round trip with an int), the tw
 round by round, with a distribution-free 95% interval; every object carries a marker word that
 the sender sets and the receiver reads back on the GPU. The sender prepares each object
 (allocates it, sets the marker, wraps it) before the clock starts, except task to task and Dask,
-where making it is part of the round trip for every path.
+where making it is part of the round trip for every path. The receiver closes a Buffer before it
+replies; it drops a tensor after replying (Ray and Dask drop a task's argument after it returns),
+or, through multiprocessing with ``--receiver-drops before-reply``, before.
 
 Paths: ``share`` (a tensor allocated in the sender's arena with ``gpu_serde.tensors.empty`` and
 wrapped by ``gpu_serde.share``); ``arena`` (a Buffer of the same arena: the baseline ``share`` is
@@ -205,7 +207,11 @@ def mp_engine(run: ht.Run) -> None:
     ctx = multiprocessing.get_context("spawn")
     inbox, outbox = ctx.Queue(), ctx.Queue()
     # a daemon: a run stopped while it starts does not wait for it at exit
-    child = ctx.Process(target=parts.serve, args=(inbox, outbox, max_size), daemon=True)
+    child = ctx.Process(
+        target=parts.serve,
+        args=(inbox, outbox, max_size, run.args.receiver_drops == "before-reply"),
+        daemon=True,
+    )
     child.start()
     outbox.get(timeout=600)
 
@@ -317,6 +323,13 @@ def main() -> None:
         "--paths",
         default=",".join(SERIES),
         help="the paths to measure (default: all); e.g. share,arena for share's excess alone",
+    )
+    parser.add_argument(
+        "--receiver-drops",
+        choices=("after-reply", "before-reply"),
+        default="after-reply",
+        help="multiprocessing: when the child lets go of what it received (a Buffer is closed "
+        "before replying either way)",
     )
     parser.add_argument("--json", metavar="PATH", help="write the results here")
     parser.add_argument("--raw-json", metavar="PATH", help="write the raw record, samples too")

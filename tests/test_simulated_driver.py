@@ -468,3 +468,14 @@ def test_an_event_recorded_on_another_gpus_stream_is_an_invalid_handle(simulated
         )
     finally:
         driver.cuEventDestroy(event)
+
+
+def test_a_ray_node_that_names_a_gpu_its_processes_would_not_see_is_refused(simulated_gpus):
+    from gpu_serde.testing import ray_node_options
+
+    # four simulated GPUs this session: CUDA stops at the first entry that selects none
+    for visible in (["GPU-bad"], "0,GPU-bad,1", [7], "0,9"):
+        with pytest.raises(ValueError, match=r"see [01] GPU\(s\), not the [123] it names"):
+            ray_node_options(visible)
+    assert ray_node_options("")["num_gpus"] == 0  # a node with no GPU
+    assert ray_node_options([3, 1])["num_gpus"] == 2

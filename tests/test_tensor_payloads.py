@@ -171,6 +171,17 @@ def test_a_torch_ipc_payload_from_another_host_is_other_host_error(installed):
     assert "send the tensor itself" in str(info.value) and "portable" not in str(info.value)
 
 
+@pytest.mark.parametrize("kind", ["tshr", "tipc"])
+def test_memory_shared_for_a_gpu_seen_here_where_torch_has_no_cuda_says_so(installed, kind):
+    # the driver sees the GPU (simulated), but this torch has no CUDA: typed, with what to do
+    dev = device_payload(Device(0))
+    got = getattr(wire, kind)({"tshr": tshr, "tipc": tipc}[kind](dev=dev))
+    assert isinstance(got, UnresolvedObject)
+    with pytest.raises(DeviceNotVisibleError, match="torch here has no GPU") as info:
+        gpu_serde.resolve(got)
+    assert "receive it where torch has CUDA" in str(info.value)
+
+
 def test_strict_mode_raises_device_not_visible_error_at_unpickling(simulated_gpus):
     blob = pickle.dumps(Call(wire.tval, tval()))
     gpu_serde.install(strict=True)

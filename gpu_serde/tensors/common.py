@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from gpu_serde import inventory as _inventory
-from gpu_serde.errors import HandoffError
+from gpu_serde.errors import DeviceNotVisibleError, HandoffError
 from gpu_serde.format.device import decode_device, raw_uuid
 from gpu_serde.placeholders import not_visible_error
 
@@ -39,6 +39,33 @@ def local_ordinal(device: bytes, what: str) -> int:
     if ordinal is None:
         raise not_visible_error(decode_device(device), _inventory.inventory(), f"the {what}'s GPU")
     return ordinal
+
+
+#: What to do with memory that stays in its sender's process, where torch here has no CUDA.
+NOT_HERE = (
+    "Its memory stays in the sender's process: receive it where torch has CUDA, or send the "
+    "tensor by value (not shared) and use gpu_serde.tensors.place(x, 'cpu')."
+)
+
+_torch_cuda: list[bool] = []  # whether torch here has CUDA, once asked
+
+
+def need_torch_cuda(what: str, then: str) -> None:
+    """Refuse a torch CUDA tensor (``what``) for a GPU this process sees where torch has no
+    CUDA (a CPU-only build, or simulated GPUs), which the driver's GPU alone cannot help: torch
+    would fail with an untyped error. Asked of torch once per process.
+
+    Raises:
+        DeviceNotVisibleError: torch here has no CUDA; ``then`` says what to do instead.
+    """
+    if not _torch_cuda:
+        _torch_cuda.append(bool(sys.modules["torch"].cuda.is_available()))
+    if not _torch_cuda[0]:
+        raise DeviceNotVisibleError(
+            f"{what} arrived for a GPU this process sees, and torch here has no GPU "
+            "(torch.cuda.is_available() is False: a CPU-only torch build, or simulated GPUs, "
+            f"which run no torch CUDA). {then}"
+        )
 
 
 def need(library: str, caller: str | None = None) -> Any:

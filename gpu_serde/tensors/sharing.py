@@ -39,7 +39,7 @@ from gpu_serde.memory import buffers, lifetime, unsent
 from gpu_serde.memory import driver as _driver
 from gpu_serde.memory.arena import ArenaMemoryResource
 from gpu_serde.memory.arena import importer as arena_importer
-from gpu_serde.tensors.common import NAMES, need
+from gpu_serde.tensors.common import NAMES, NOT_HERE, need, need_torch_cuda
 
 #: Bytes of each arena :func:`share` and :func:`~gpu_serde.tensors.empty` make on a GPU when
 #: none was given (more are made as they fill; a larger object gets one of its own size).
@@ -354,6 +354,8 @@ def rebuild_shared(payload: object) -> Any:
     if not arena_importer.is_attached(region):  # the host and the GPU, before anything else
         lifetime.local_ordinal(region.device, region.boot, what)
     m = module(p.meta.library)
+    if p.meta.library == "torch":  # before the hold: nothing taken for a tensor it cannot build
+        need_torch_cuda(what, NOT_HERE)
     block = payload[2]  # type: ignore[index]  # decode checked: a tuple
     buf = arena_importer.receive(p.block, block, what)
     t = m.over(buf, p.meta, int(buf.device_id))

@@ -13,7 +13,7 @@ from gpu_serde.errors import DeviceNotVisibleError, PayloadError
 from gpu_serde.format.tensor import decode_tipc, decode_tval
 from gpu_serde.memory import lifetime
 from gpu_serde.placeholders import UnresolvedObject
-from gpu_serde.tensors.common import NAMES, local_ordinal
+from gpu_serde.tensors.common import NAMES, NOT_HERE, local_ordinal, need_torch_cuda
 from gpu_serde.tensors.sharing import module
 
 
@@ -38,12 +38,10 @@ def rebuild_value(payload: object) -> Any:
             visible=exc.visible,
         ) from None
     m = module(p.meta.library)
-    if p.meta.library == "torch" and not sys.modules["torch"].cuda.is_available():
-        raise DeviceNotVisibleError(  # the driver sees the GPU; this process's torch does not
-            f"a {NAMES['torch']} arrived for this process's GPU {ordinal}, and torch here has no "
-            "GPU (torch.cuda.is_available() is False: a CPU-only torch build, or simulated GPUs, "
-            "which run no torch CUDA). Its bytes came with it: gpu_serde.tensors.place(x, "
-            "'cpu') puts them there."
+    if p.meta.library == "torch":  # the driver sees the GPU; this process's torch may not
+        need_torch_cuda(
+            f"a {NAMES['torch']}",
+            "Its bytes came with it: gpu_serde.tensors.place(x, 'cpu') puts them there.",
         )
     return m.from_value(p, ordinal)
 
@@ -60,7 +58,9 @@ def rebuild_ipc(payload: object) -> Any:
     p = decode_tipc(payload)
     what = "a torch CUDA tensor sent through torch.multiprocessing"
     ordinal = lifetime.local_ordinal(p.device, p.boot, what)  # the host and GPU before torch
-    return module("torch").from_ipc(p, ordinal)
+    m = module("torch")
+    need_torch_cuda(what, NOT_HERE)
+    return m.from_ipc(p, ordinal)
 
 
 def value_kind(payload: object) -> str:

@@ -617,7 +617,10 @@ def ray_node_options(
     Raises:
         TypeError: ``visible`` is neither a string, an ordinal, nor a list of UUIDs and
             ordinals.
-        ValueError: ``host`` is not a host label.
+        ValueError: ``host`` is not a host label, or ``visible`` names a GPU the node's
+            processes would not see (an ordinal out of range, a UUID of no GPU here: CUDA
+            stops at the first such entry), so that its GPU resource would count GPUs it does
+            not have (``""`` is a node with none).
         SimulatedDriverError: this machine has no CUDA driver and no simulated GPUs are active
             in this process (the node's processes would find none).
     """
@@ -637,7 +640,45 @@ def ray_node_options(
             ),
             stacklevel=2,
         )
+    entries = [e for e in value.split(",") if e.strip()]
+    seen = _gpus_seen_with(value) if entries else 0
+    if seen != len(entries):
+        raise ValueError(
+            f"ray_node_options(visible=...): CUDA_VISIBLE_DEVICES={quoted(value)} makes this "
+            f"machine's processes see {seen} GPU(s), not the {len(entries)} it names (CUDA stops "
+            "at the first entry that is not an ordinal or a UUID of one of this machine's GPUs, "
+            f"and a node's GPU resource would count {len(entries)}): list ordinals below "
+            f"{_gpus_seen_with(None)} or UUIDs of this machine's GPUs"
+        )
     env = {"CUDA_VISIBLE_DEVICES": value}
     if host is not None:
         env[HOST_ENV] = host
-    return {"num_gpus": len([e for e in value.split(",") if e.strip()]), "env_vars": env}
+    return {"num_gpus": seen, "env_vars": env}
+
+
+_COUNT_GPUS = (
+    "import ctypes\n"
+    "lib = ctypes.CDLL('libcuda.so.1')\n"
+    "n = ctypes.c_int(0)\n"
+    "rc = lib.cuInit(0) or lib.cuDeviceGetCount(ctypes.byref(n))\n"
+    "print(n.value if rc == 0 else 0)\n"
+)
+
+
+def _gpus_seen_with(value: str | None) -> int:
+    """How many GPUs a process started from this one sees with ``CUDA_VISIBLE_DEVICES=value``
+    (``None``: unset): asked of a child, which loads the driver children load (simulated GPUs
+    when they are active here)."""
+    env = dict(os.environ)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    if value is not None:
+        env["CUDA_VISIBLE_DEVICES"] = value
+    got = subprocess.run(
+        [sys.executable, "-c", _COUNT_GPUS], env=env, capture_output=True, text=True, timeout=120
+    )
+    if got.returncode != 0:
+        raise SimulatedDriverError(
+            f"a child process could not count its GPUs (exit {got.returncode}): "
+            f"{quoted(got.stderr.strip()[-300:])}"
+        )
+    return int(got.stdout.strip() or 0)
