@@ -673,9 +673,18 @@ def _gpus_seen_with(value: str | None) -> int:
     env.pop("CUDA_VISIBLE_DEVICES", None)
     if value is not None:
         env["CUDA_VISIBLE_DEVICES"] = value
-    got = subprocess.run(
-        [sys.executable, "-c", _COUNT_GPUS], env=env, capture_output=True, text=True, timeout=120
-    )
+    try:
+        got = subprocess.run(
+            [sys.executable, "-c", _COUNT_GPUS],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    except subprocess.TimeoutExpired:
+        raise SimulatedDriverError(
+            "a child process did not count its GPUs within 120 s (the driver hung)"
+        ) from None
     if got.returncode != 0:
         raise SimulatedDriverError(
             f"a child process could not count its GPUs (exit {got.returncode}): "
