@@ -181,6 +181,16 @@ def inventory() -> Inventory:
         return cached
 
 
+def forget_before_cuda() -> None:
+    """Drop a cached answer taken before CUDA started here (no driver then): a driver loaded
+    since (:func:`gpu_serde.testing.activate`) is enumerated on the next call. Once CUDA has
+    started, its answer stands for the process's life."""
+    global cached
+    with _lock:
+        if cached is not None and not cached.devices:
+            cached = None
+
+
 def visible_devices() -> list[DeviceInfo]:
     """Return the GPUs this process can see, in ordinal order (empty when it sees none).
 

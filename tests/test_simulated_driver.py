@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from gpu_serde.testing import SimulatedDriverError, SimulatedGPU, child_env, make_gpus
-from helpers import run_child
+from helpers import env_without_driver, run_child
 
 LIST = """
 inv = gpu_serde.inventory.inventory() if hasattr(gpu_serde, "inventory") else None
@@ -479,3 +479,40 @@ def test_a_ray_node_that_names_a_gpu_its_processes_would_not_see_is_refused(simu
             ray_node_options(visible)
     assert ray_node_options("")["num_gpus"] == 0  # a node with no GPU
     assert ray_node_options([3, 1])["num_gpus"] == 2
+
+
+def test_gpus_activated_after_a_look_that_found_no_driver_are_seen(simulated_gpus):
+    from gpu_serde import testing
+
+    if testing.real_driver_present():
+        pytest.skip("a real CUDA driver is here: the first look finds it")
+    got = run_child(
+        """
+        import pickle
+        from cuda.core import Device
+        from gpu_serde import testing
+        before = len(gpu_serde.visible_devices())  # no driver yet: the answer must not stick
+        testing.activate(testing.make_gpus(2))
+        gpu_serde.install()
+        d = pickle.loads(pickle.dumps(Device(1)))
+        report(before=before, after=len(gpu_serde.visible_devices()), got=type(d).__name__)
+        """,
+        env_without_driver(),
+    )
+    assert got == {"before": 0, "after": 2, "got": "Device"}
+
+
+def test_activating_again_without_visible_shows_every_gpu_not_the_last_choice(simulated_gpus):
+    got = run_child(
+        """
+        import os
+        from gpu_serde import testing
+        gpus = testing.make_gpus(4)
+        testing.activate(gpus, [2, 1])
+        chosen = os.environ["CUDA_VISIBLE_DEVICES"]
+        testing.activate(gpus)  # this process's own earlier choice is not a parent's
+        report(chosen=chosen, then=os.environ.get("CUDA_VISIBLE_DEVICES"))
+        """,
+        env_without_driver(),
+    )
+    assert got == {"chosen": "2,1", "then": None}

@@ -378,7 +378,14 @@ def activate(
             "on: activate before anything uses CUDA, or run the other GPUs in another process "
             "(child_env(gpus) is its environment)"
         )
-    given = visible is None and active == env[SPEC_ENV] and "CUDA_VISIBLE_DEVICES" in os.environ
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    # kept only when a parent chose it: not one an earlier activate() in this process set
+    given = (
+        visible is None
+        and active == env[SPEC_ENV]
+        and cvd is not None
+        and _set_here.get("CUDA_VISIBLE_DEVICES", _NOT_SET) != cvd
+    )
     for key in ("LD_LIBRARY_PATH", SPEC_ENV):
         os.environ[key] = env[key]
     if given:
@@ -387,9 +394,18 @@ def activate(
         os.environ["CUDA_VISIBLE_DEVICES"] = env["CUDA_VISIBLE_DEVICES"]
     else:
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    _set_here["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES", _NOT_SET)
     folder = env["LD_LIBRARY_PATH"].split(":")[0]
     for name in _LIBRARIES:
         ctypes.CDLL(os.path.join(folder, name), mode=os.RTLD_GLOBAL)
+    if not _initialized():  # an answer taken before (no driver then) would stand for good
+        from gpu_serde import inventory
+
+        inventory.forget_before_cuda()
+
+
+_NOT_SET = "\0unset"  # not a value an environment variable can hold
+_set_here: dict[str, str] = {}  # what activate() in this process last set (or _NOT_SET)
 
 
 def _initialized() -> bool:
