@@ -99,6 +99,34 @@ def test_simulate_with_nothing_after_the_dashes_says_what_it_takes():
     assert "nothing to run after '--'" in done.stderr and done.stdout == ""
 
 
+def test_simulate_without_a_count_runs_the_command_after_the_dashes_on_four_gpus():
+    from helpers import env_without_driver
+
+    code = "import gpu_serde; print(len(gpu_serde.visible_devices()))"
+    done = in_shell(f"gpu-serde simulate -- '{sys.executable}' -c '{code}'", env_without_driver())
+    assert done.stdout.strip() == "4", done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("simulate", "4", "app.py"), "a command goes after '--' (gpu-serde simulate 4 -- app.py)"),
+        (("simulate", "--off", "3"), "simulate --off takes no COUNT"),
+        (("simulate", "--off", "--", "app.py"), "simulate --off runs no command"),
+        (("devices", "--", "app.py"), "devices runs no command: nothing goes after '--'"),
+    ],
+)
+def test_simulate_refuses_what_it_would_otherwise_misread(args, says):
+    done = gpu_serde_cli(*args)
+    assert done.returncode == 2 and says in done.stderr and done.stdout == ""
+
+
+def test_simulate_of_a_command_that_is_not_there_exits_as_a_shell_does():
+    done = gpu_serde_cli("simulate", "1", "--", "no-such-command-here")
+    assert done.returncode == 127
+    assert "cannot run 'no-such-command-here': No such file or directory" in done.stderr
+
+
 def test_devices_without_a_driver_points_to_simulated_gpus():
     from helpers import env_without_driver
 

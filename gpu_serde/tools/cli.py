@@ -118,8 +118,10 @@ def _simulate(args: argparse.Namespace) -> int:
         if p and not testing.is_driver_dir(p)
     ]
     if args.off:
-        if args.command_line:
+        if args.command_line or args.ends_with_dashes:
             return _fail("simulate --off runs no command")
+        if args.count is not None:
+            return _fail("simulate --off takes no COUNT: it undoes whatever was set up")
         print("# gpu_serde: no simulated GPUs in this shell any more")
         print(
             f"export LD_LIBRARY_PATH={shlex.quote(':'.join(kept))}"
@@ -128,18 +130,24 @@ def _simulate(args: argparse.Namespace) -> int:
         )
         print(f"unset {testing.SPEC_ENV}")
         return 0
+    if args.command_line and not args.after_dashes:  # "simulate 4 app": '--' left out
+        return _fail(
+            f"simulate: a command goes after '--' ({PROG} simulate {args.count or 4} -- "
+            f"{shlex.join(args.command_line)[:200]})"
+        )
+    count = 4 if args.count is None else args.count
     base = {**os.environ, "LD_LIBRARY_PATH": ":".join(kept)}
     try:
         env = testing.child_env(
-            testing.make_gpus(args.count),
+            testing.make_gpus(count),
             os.environ.get("CUDA_VISIBLE_DEVICES"),  # left as it is
             base=base,
             allow_real_driver=args.allow_real_driver,
         )
     except testing.SimulatedDriverError as exc:
         return _fail(f"simulate: {exc}")
-    command = args.command_line[1:] if args.command_line[:1] == ["--"] else args.command_line
-    if not command and getattr(args, "ends_with_dashes", False):  # a command meant, none given
+    command = args.command_line
+    if not command and args.ends_with_dashes:  # a command meant, none given
         return _fail(
             f"simulate: nothing to run after '--': give a command ({PROG} simulate 4 -- python "
             f"app.py), or leave out '--' to set up this shell (eval \"$({PROG} simulate 4)\")"
@@ -148,9 +156,10 @@ def _simulate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         try:
             os.execvpe(command[0], command, env)  # this process becomes the command
-        except OSError as exc:
-            return _fail(f"simulate: cannot run {command[0]!r}: {exc}")
-    print(f"# gpu_serde: {args.count} simulated GPUs for this shell and what it starts")
+        except OSError as exc:  # as a shell says it: 127 not found, 126 not runnable
+            _fail(f"simulate: cannot run {command[0]!r}: {exc.strerror or exc}")
+            return 127 if isinstance(exc, FileNotFoundError) else 126
+    print(f"# gpu_serde: {count} simulated GPUs for this shell and what it starts")
     print(f'# (undo: eval "$({PROG} simulate --off)"; docs/testing.md)')
     for key in ("LD_LIBRARY_PATH", testing.SPEC_ENV):
         print(f"export {key}={shlex.quote(env[key])}")
@@ -281,7 +290,7 @@ def _parser() -> argparse.ArgumentParser:
         "count",
         type=_positive_count,
         nargs="?",
-        default=4,
+        default=None,
         metavar="COUNT",
         help="how many simulated GPUs (default 4)",
     )
@@ -305,9 +314,15 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``gpu-serde``; returns the exit status (2 for a missing extra or an
     unreachable cluster, with one line on stderr)."""
     given = sys.argv[1:] if argv is None else list(argv)
-    args = _parser().parse_args(given)
-    # argparse drops a last "--" with nothing after it: "simulate 4 --" meant a command
-    args.ends_with_dashes = given[-1:] == ["--"]
+    # what follows the first "--" is a command (simulate's), never read as options or COUNT
+    dashes = given.index("--") if "--" in given else len(given)
+    args = _parser().parse_args(given[:dashes])
+    args.after_dashes = dashes < len(given)
+    args.ends_with_dashes = given[dashes + 1 :] == [] and args.after_dashes  # a command meant
+    if args.after_dashes:
+        if getattr(args, "command_line", None) is None:
+            return _fail(f"{args.command} runs no command: nothing goes after '--'")
+        args.command_line = given[dashes + 1 :]
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
