@@ -516,3 +516,15 @@ def test_activating_again_without_visible_shows_every_gpu_not_the_last_choice(si
         env_without_driver(),
     )
     assert got == {"chosen": "2,1", "then": None}
+
+
+def test_a_cache_folder_that_cannot_be_written_is_a_simulated_driver_error(monkeypatch, tmp_path):
+    from gpu_serde import testing
+
+    monkeypatch.setenv("GPU_SERDE_CACHE_DIR", "/proc/no-such-folder")
+    with pytest.raises(SimulatedDriverError, match="Set GPU_SERDE_CACHE_DIR to a folder you can"):
+        testing.driver_dir()
+    monkeypatch.chdir(tmp_path)  # a relative one: children that change directory still find it
+    monkeypatch.setenv("GPU_SERDE_CACHE_DIR", "relative")
+    folder = testing.driver_dir()
+    assert folder.is_absolute() and folder.parent == tmp_path / "relative"

@@ -193,8 +193,8 @@ def make_gpus(count: int, *, seed: str = "gpu_serde") -> list[SimulatedGPU]:
 
 def _cache_root() -> Path:
     explicit = os.environ.get("GPU_SERDE_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
+    if explicit:  # absolute: children that change directory load from the same folder
+        return Path(explicit).absolute()
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "gpu_serde"
 
@@ -207,7 +207,8 @@ def driver_dir() -> Path:
     ``~/.cache/gpu_serde``), in a folder keyed by the sources' hash; concurrent builders are safe.
 
     Raises:
-        SimulatedDriverError: no C compiler, or the build failed.
+        SimulatedDriverError: no C compiler, the folder cannot be made or written, or the
+            build failed.
     """
     digest = hashlib.sha256()
     for source in _HEADERS:
@@ -227,8 +228,15 @@ def _build(sources: list[Path], folder: Path, name: str) -> None:
         raise SimulatedDriverError(
             f"no C compiler {cc!r} to build gpu_serde's simulated driver: install gcc or set CC"
         )
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".build-", suffix=".so")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".build-", suffix=".so")
+    except OSError as exc:
+        raise SimulatedDriverError(
+            f"cannot build gpu_serde's simulated driver in {quoted(str(folder))}: "
+            f"{exc.strerror or exc}. Set GPU_SERDE_CACHE_DIR to a folder you can write "
+            "(default ~/.cache/gpu_serde)"
+        ) from None
     os.close(fd)
     cmd = [cc, "-O2", "-shared", "-fPIC", "-pthread", f"-Wl,-soname,{name}", "-o", tmp]
     cmd += [str(p) for p in sources]
