@@ -158,6 +158,7 @@ def test_an_address_that_is_no_address_is_one_line_with_what_was_wrong_escaped()
         ("127.0.0.1:\u00b2", "the port must be a number from 1 to 65535, not '\u00b2'"),
         (":6379", "no host before the port"),
         ("tcp://127.0.0.1:8786", "use --scheduler for Dask"),
+        ("http://127.0.0.1:8265", "http:// is the Ray dashboard's address"),
     ],
 )
 def test_a_ray_address_that_is_none_is_one_line_at_once(address, says):
@@ -235,4 +236,18 @@ def test_a_ray_address_where_nothing_listens_is_said_at_once():
         f"gpu-serde: doctor: cannot reach the cluster at '{address}': nothing answers there "
         "(Connection refused): is the cluster running? `ray start --head` prints its address "
         "(host:port of the GCS, port 6379 unless --port says otherwise)"
+    ]
+
+
+@pytest.mark.parametrize("scheme", ["tcp://", ""])
+def test_a_dask_scheduler_address_that_refuses_is_said_at_once_not_after_the_timeout(scheme):
+    from gpu_serde.testing.clusters import free_port
+
+    address = f"{scheme}127.0.0.1:{free_port()}"
+    done = gpu_serde_cli("doctor", "--scheduler", address, "--timeout", "600")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"gpu-serde: doctor: cannot reach the cluster at '{address}': nothing answers there "
+        "(Connection refused): is the scheduler running? `dask scheduler` prints its address "
+        "(tcp://host:port, port 8786 by default)"
     ]

@@ -416,3 +416,12 @@ def test_rays_own_tensor_pickling_is_said_where_gpu_serde_installs(monkeypatch, 
     )
     monkeypatch.setenv("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "0")
     assert not setup.warn_if_ray_pickles_tensors()
+
+
+def test_init_with_an_address_where_nothing_listens_says_so_at_once():
+    from gpu_serde.testing.clusters import free_port
+
+    address = f"127.0.0.1:{free_port()}"  # ray.init would retry for minutes
+    with pytest.raises(ConnectionError, match=r"nothing answers there \(Connection refused\)"):
+        gpu_serde.ray.init(address=address)
+    assert not ray.is_initialized()

@@ -23,6 +23,7 @@ from typing import Any
 
 import gpu_serde
 from gpu_serde.inventory import inventory, uuid_of
+from gpu_serde.netcheck import refused
 from gpu_serde.registry import is_installed
 from gpu_serde.routing import ownership_notes
 from gpu_serde.text import quoted, safe
@@ -177,6 +178,7 @@ def survey_dask(address: str, timeout: float = 30, expect: int = 0) -> Survey:
     """
     from distributed import Client  # the dask extra, optional: doctor --ray needs only Ray
 
+    _check_refused(address, timeout)
     try:
         connected = Client(address, timeout=timeout)
     except ValueError as exc:  # "missing port number in address ...", an unknown protocol
@@ -270,6 +272,12 @@ def _check_ray_address(address: str) -> None:
             f"{scheme}:// is how a Dask scheduler's address begins: use --scheduler for Dask; "
             "--ray takes a Ray head's host:port (its GCS, port 6379 unless --port said otherwise)"
         )
+    if sep and scheme.lower() in ("http", "https"):
+        raise AddressError(
+            f"{scheme}:// is the Ray dashboard's address (its Jobs API), not the cluster's: "
+            "--ray takes the head's host:port (its GCS, port 6379 unless --port said "
+            "otherwise), as `ray start --head` prints it"
+        )
     if sep and scheme.lower() != "ray":
         return  # another scheme (a client builder's module): Ray's own lookup
     host, sep, port = (rest if sep else address).rstrip("/").rpartition(":")
@@ -277,6 +285,22 @@ def _check_ray_address(address: str) -> None:
         raise AddressError(f"the port must be a number from 1 to 65535, not {quoted(port)}")
     if sep and not host.strip("[]"):
         raise AddressError("no host before the port")
+
+
+def _check_refused(address: str, timeout: float) -> None:
+    """Fail at once when a Dask scheduler's ``tcp://host:port`` refuses the connection
+    (distributed's client would retry until its timeout); any other answer, or none, is left to
+    the client.
+
+    Raises:
+        ConnectionError: the connection was refused.
+    """
+    why = refused(address, timeout)
+    if why is not None:
+        raise ConnectionError(
+            f"nothing answers there ({why}): is the scheduler running? "
+            "`dask scheduler` prints its address (tcp://host:port, port 8786 by default)"
+        )
 
 
 def _check_listening(address: str, timeout: float) -> None:

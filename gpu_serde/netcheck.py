@@ -1,0 +1,34 @@
+"""One TCP connection attempt, to say at once that nothing listens at a cluster's address
+(Ray's and distributed's clients retry for minutes)."""
+
+from __future__ import annotations
+
+import socket
+
+
+def host_port(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a plain ``host:port`` address (a ``tcp://`` prefix allowed), or None
+    for anything else (another scheme, no port, a port that is not 1 to 65535)."""
+    scheme, sep, rest = address.partition("://")
+    if sep and scheme.lower() != "tcp":
+        return None
+    host, sep, port = (rest if sep else address).rstrip("/").rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or "/" in host or not (port.isascii() and port.isdecimal()):
+        return None
+    return (host, int(port)) if 1 <= int(port) <= 65535 else None
+
+
+def refused(address: str, timeout: float) -> str | None:
+    """Why a connection to ``address`` (see :func:`host_port`) was refused, or None: it was
+    accepted, it is not a plain address, or no answer came within ``timeout`` (at most 5 s)."""
+    target = host_port(address)
+    if target is None:
+        return None
+    try:
+        with socket.create_connection(target, timeout=max(0.1, min(timeout, 5))):
+            return None
+    except ConnectionRefusedError as exc:
+        return str(exc.strerror or exc)
+    except OSError:
+        return None
