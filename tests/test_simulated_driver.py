@@ -107,12 +107,13 @@ def test_a_bad_simulated_host_is_refused(make, error, says):
         make()
 
 
-def test_a_dask_layout_takes_strings_ordinals_and_lists_and_names_what_is_wrong():
+def test_a_dask_layout_takes_strings_ordinals_and_lists_and_names_what_is_wrong(simulated_gpus):
     from gpu_serde.testing import spec_cluster_options
 
-    options = spec_cluster_options({"a": 0, "b": "1,0", "c": [GPUS[1].uuid]})
+    uuid = simulated_gpus[1].uuid
+    options = spec_cluster_options({"a": 0, "b": "1,0", "c": [uuid]})
     envs = {n: w["options"]["env"]["CUDA_VISIBLE_DEVICES"] for n, w in options["workers"].items()}
-    assert envs == {"a": "0", "b": "1,0", "c": GPUS[1].uuid}
+    assert envs == {"a": "0", "b": "1,0", "c": uuid}
     with pytest.raises(TypeError, match="a dict of worker name"):
         spec_cluster_options(None)
     with pytest.raises(ValueError, match="no workers"):
@@ -528,3 +529,23 @@ def test_a_cache_folder_that_cannot_be_written_is_a_simulated_driver_error(monke
     monkeypatch.setenv("GPU_SERDE_CACHE_DIR", "relative")
     folder = testing.driver_dir()
     assert folder.is_absolute() and folder.parent == tmp_path / "relative"
+
+
+def test_a_dask_worker_that_names_a_gpu_it_would_not_see_is_refused(simulated_gpus):
+    pytest.importorskip("distributed")
+    from gpu_serde.testing import spec_cluster_options
+
+    for visible in (9, "GPU-zz", "0,9"):
+        with pytest.raises(ValueError, match=r"layout\['a'\]\): CUDA_VISIBLE_DEVICES="):
+            spec_cluster_options({"a": visible})
+    assert spec_cluster_options({"a": ""})["workers"]["a"]["options"]["env"] == {
+        "CUDA_VISIBLE_DEVICES": ""
+    }  # a worker with no GPU
+    with pytest.raises(TypeError, match=r"host=\.\.\.\): the address to bind, a str"):
+        spec_cluster_options({"a": "0"}, host=5)
+
+
+def test_a_child_environment_from_what_is_no_environment_is_a_type_error(simulated_gpus):
+    for base in ([1], {"A": 1}):
+        with pytest.raises(TypeError, match=r"child_env\(base=\.\.\.\): an environment"):
+            child_env(simulated_gpus, base=base)

@@ -333,7 +333,17 @@ def child_env(
     Raises:
         SimulatedDriverError: a real driver is present and ``allow_real_driver`` is False, or the
             stand-in cannot be built.
+        TypeError: ``base`` is not a dict of str to str.
     """
+    if base is not None and (
+        not isinstance(base, Mapping)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in base.items())
+    ):
+        got = type(base).__name__ if not isinstance(base, Mapping) else "other keys or values"
+        raise TypeError(
+            "child_env(base=...): an environment, a dict of str to str such as os.environ, not "
+            f"{got}"
+        )
     if not allow_real_driver and real_driver_present(base):
         raise SimulatedDriverError(
             "a real CUDA driver is present here; gpu_serde will not shadow it with simulated GPUs "
@@ -552,8 +562,9 @@ def spec_cluster_options(
             in this process (the workers would find none).
         TypeError, ValueError: ``layout`` is not a non-empty dict of worker names to
             ``CUDA_VISIBLE_DEVICES`` (a string, an ordinal, or a list of UUIDs and ordinals),
-            ``nthreads`` is not a positive int, or ``hosts`` names a worker the layout does not
-            have or gives a label that is not a host label.
+            an entry names a GPU the worker would not see (``""`` is a worker with none),
+            ``nthreads`` is not a positive int, ``host`` is not a str, or ``hosts`` names a
+            worker the layout does not have or gives a label that is not a host label.
     """
     from distributed import Nanny, Scheduler  # only for those who start a Dask cluster
 
@@ -567,6 +578,11 @@ def spec_cluster_options(
     if not isinstance(nthreads, int) or isinstance(nthreads, bool):
         raise TypeError(
             f"spec_cluster_options(nthreads=...): an int, not {type(nthreads).__name__}"
+        )
+    if not isinstance(host, str) or not host:
+        raise TypeError(
+            "spec_cluster_options(host=...): the address to bind, a str such as '127.0.0.1', "
+            f"not {type(host).__name__ if not isinstance(host, str) else 'an empty one'}"
         )
     if nthreads < 1:
         raise ValueError(f"spec_cluster_options(nthreads=...): 1 or more, not {nthreads}")
@@ -592,6 +608,8 @@ def spec_cluster_options(
             )
         _host_label(label, f"spec_cluster_options(hosts[{name!r}])")
     _check_children_have_a_driver("spec_cluster_options")
+    for name, value in visible.items():
+        _check_selects(value, f"spec_cluster_options(layout[{name!r}])", "the layout")
     workers = {
         name: {
             "cls": Nanny,
@@ -664,20 +682,33 @@ def ray_node_options(
             ),
             stacklevel=2,
         )
-    entries = [e for e in value.split(",") if e.strip()]
-    seen = _gpus_seen_with(value) if entries else 0
-    if seen != len(entries):
-        raise ValueError(
-            f"ray_node_options(visible=...): CUDA_VISIBLE_DEVICES={quoted(value)} makes this "
-            f"machine's processes see {seen} GPU(s), not the {len(entries)} it names (CUDA stops "
-            "at the first entry that is not an ordinal or a UUID of one of this machine's GPUs, "
-            f"and a node's GPU resource would count {len(entries)}): list ordinals below "
-            f"{_gpus_seen_with(None)} or UUIDs of this machine's GPUs"
-        )
+    seen = _check_selects(value, "ray_node_options(visible=...)", "its GPU resource")
     env = {"CUDA_VISIBLE_DEVICES": value}
     if host is not None:
         env[HOST_ENV] = host
     return {"num_gpus": seen, "env_vars": env}
+
+
+def _check_selects(value: str, where: str, counted: str) -> int:
+    """How many GPUs ``CUDA_VISIBLE_DEVICES=value`` shows this machine's processes: every entry
+    it names, or refused.
+
+    Raises:
+        ValueError: it shows fewer (an ordinal out of range, a UUID of no GPU here: CUDA stops at
+            the first such entry); ``counted`` says what would have counted them.
+        SimulatedDriverError: a child could not count.
+    """
+    entries = [e for e in value.split(",") if e.strip()]
+    seen = _gpus_seen_with(value) if entries else 0
+    if seen != len(entries):
+        raise ValueError(
+            f"{where}: CUDA_VISIBLE_DEVICES={quoted(value)} makes this machine's processes see "
+            f"{seen} GPU(s), not the {len(entries)} it names (CUDA stops at the first entry that "
+            "is not an ordinal or a UUID of one of this machine's GPUs, and "
+            f"{counted} would count {len(entries)}): list ordinals below "
+            f'{_gpus_seen_with(None)} or UUIDs of this machine\'s GPUs ("" for none)'
+        )
+    return seen
 
 
 _COUNT_GPUS = (
