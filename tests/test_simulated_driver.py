@@ -549,3 +549,25 @@ def test_a_child_environment_from_what_is_no_environment_is_a_type_error(simulat
     for base in ([1], {"A": 1}):
         with pytest.raises(TypeError, match=r"child_env\(base=\.\.\.\): an environment"):
             child_env(simulated_gpus, base=base)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "says"),
+    [
+        (lambda c: c.dask_cli_cluster(["w"]), TypeError, "a dict of name -> its CUDA_VISIBLE"),
+        (lambda c: c.dask_cli_cluster({}), ValueError, "nothing to start"),
+        (lambda c: c.dask_cli_cluster({"w": 1.5}), TypeError, r"workers=\.\.\.\)\['w'\]"),
+        (lambda c: c.dask_cli_cluster({"w": None}), TypeError, '"" for no GPU'),
+        (
+            lambda c: c.dask_cli_cluster({"w": "0"}, worker_env={"nope": {}}),
+            ValueError,
+            "'nope' is not a worker",
+        ),
+        (lambda c: c.ray_cli_cluster({"n": 1.5}), TypeError, r"nodes=\.\.\.\)\['n'\]"),
+    ],
+)
+def test_a_cli_cluster_checks_its_layout_before_starting_anything(call, error, says):
+    from gpu_serde.testing import clusters
+
+    with pytest.raises(error, match=says), call(clusters):
+        pass

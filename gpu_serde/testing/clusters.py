@@ -48,6 +48,33 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def _layout(layout: object, where: str, *, unset: bool) -> dict[str, str | None]:
+    """``layout`` (name -> ``CUDA_VISIBLE_DEVICES``: a string, one ordinal, or UUIDs and
+    ordinals; ``None`` only where ``unset``) checked before anything starts.
+
+    Raises:
+        TypeError: it is not a non-empty dict of str names to such values.
+        ValueError: it is empty.
+    """
+    from gpu_serde.testing import _visible_value
+
+    if not isinstance(layout, Mapping):
+        raise TypeError(
+            f"{where}: a dict of name -> its CUDA_VISIBLE_DEVICES, not {type(layout).__name__}"
+        )
+    if not layout:
+        raise ValueError(f"{where}: nothing to start (the dict is empty)")
+    checked: dict[str, str | None] = {}
+    for name, cvd in layout.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"{where}: names are non-empty strings, not {name!r:.60}")
+        value = _visible_value(cvd, f"{where}[{name!r}]")
+        if value is None and not unset:
+            raise TypeError(f'{where}[{name!r}]: a CUDA_VISIBLE_DEVICES ("" for no GPU), not None')
+        checked[name] = value
+    return checked
+
+
 def _env(base: Mapping[str, str], cvd: str | None) -> dict[str, str]:
     env = dict(base)
     env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)  # `ray start` worker nodes refuse it
@@ -166,7 +193,13 @@ def ray_cli_cluster(
     GCS address.
 
     With ``dashboard_port``, the head also runs the dashboard (and so the job server, for
-    ``ray job submit --address http://127.0.0.2:<port>``); it needs ``ray[default]``."""
+    ``ray job submit --address http://127.0.0.2:<port>``); it needs ``ray[default]``.
+
+    Raises:
+        TypeError, ValueError: ``nodes`` is not a non-empty dict of names to
+            ``CUDA_VISIBLE_DEVICES`` (a string, an ordinal, UUIDs and ordinals, or None).
+    """
+    nodes = _layout(nodes, "ray_cli_cluster(nodes=...)", unset=True)
     base = dict(os.environ if env is None else env)
     tmp = tempfile.mkdtemp(prefix="gsr-", dir="/tmp")  # short: Ray's socket paths are limited
     procs = Processes(tmp)
@@ -235,7 +268,25 @@ def dask_cli_cluster(
     per entry of ``workers`` (name -> ``CUDA_VISIBLE_DEVICES``). Yields the scheduler address.
 
     ``preload=False`` leaves ``--preload`` out (for set-ups that preload through Dask's config);
-    ``worker_env`` adds variables to the named workers' environments."""
+    ``worker_env`` adds variables to the named workers' environments.
+
+    Raises:
+        TypeError, ValueError: ``workers`` is not a non-empty dict of names to
+            ``CUDA_VISIBLE_DEVICES`` (a string, an ordinal, or UUIDs and ordinals), or
+            ``worker_env`` is not a dict of some of those names to environments.
+    """
+    chosen = _layout(workers, "dask_cli_cluster(workers=...)", unset=False)
+    if worker_env is not None and (
+        not isinstance(worker_env, Mapping)
+        or not all(isinstance(v, Mapping) for v in worker_env.values())
+    ):
+        raise TypeError("dask_cli_cluster(worker_env=...): a dict of worker name -> variables")
+    unknown = [n for n in (worker_env or {}) if n not in chosen]
+    if unknown:
+        raise ValueError(
+            f"dask_cli_cluster(worker_env=...): {unknown[0]!r:.60} is not a worker "
+            f"({', '.join(map(repr, chosen))})"
+        )
     base = dict(os.environ if env is None else env)
     tmp = tempfile.mkdtemp(prefix="gsd-", dir="/tmp")
     procs = Processes(tmp)
@@ -265,7 +316,7 @@ def dask_cli_cluster(
             _env(dict(scheduler_env or base), None),
             f"{tmp}/scheduler.log",
         )
-        for name, cvd in workers.items():
+        for name, cvd in chosen.items():
             procs.start(
                 [
                     cli("dask"),
