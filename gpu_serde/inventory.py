@@ -63,6 +63,15 @@ class Inventory:
                 f"  {d.ordinal}  {d.uuid}  {safe(d.name)}  {safe(d.pci_bus_id) or '-'}"
                 for d in self.devices
             ]
+            named = [e for e in (self.cuda_visible_devices or "").split(",") if e.strip()]
+            if len(named) > len(self.devices) and not any(
+                e.strip().startswith("MIG-") for e in named
+            ):
+                lines.append(
+                    f"note: CUDA_VISIBLE_DEVICES names {len(named)} entries and CUDA took "
+                    f"{len(self.devices)}: it stops at the first entry that names no GPU here "
+                    "(an ordinal out of range, an unknown UUID) or one named before"
+                )
         else:
             lines.append(f"this process sees no GPU: {safe(self.reason)}")
         return "\n".join(lines)

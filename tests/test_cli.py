@@ -49,6 +49,19 @@ def test_devices_json_lists_this_process_gpus_by_uuid(sim_env, simulated_gpus):
     assert doc["simulated"] is True
 
 
+@pytest.mark.parametrize("visible", ["0,7,1", "1,1,2"])
+def test_devices_says_when_cuda_took_fewer_gpus_than_the_variable_names(sim_env, visible):
+    done = subprocess.run(
+        [sys.executable, "-m", "gpu_serde", "devices"],
+        env=sim_env(visible),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "this process sees 1 GPU(s)" in done.stdout
+    assert "note: CUDA_VISIBLE_DEVICES names 3 entries and CUDA took 1" in done.stdout
+
+
 def test_a_missing_engine_is_one_line_naming_the_extra():
     # `None` in sys.modules makes `import ray` fail as if Ray were not installed
     done = gpu_serde_cli("doctor", "--ray", "127.0.0.1:1", prelude="sys.modules['ray'] = None")
