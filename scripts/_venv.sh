@@ -29,11 +29,14 @@ if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
   fi
   "$venv/bin/python" -m pip install -q --upgrade pip
   "$venv/bin/python" -m pip install -q -e "$root[$extras]"
-  # torch for the CPU tier's tensor tests (tests/test_tensors.py), on Python 3.11 only: there the
-  # package index has this CPU build; any other spelling or Python pulls a CUDA build of several
-  # GB. The other Pythons (the version matrix) skip those tests, saying why.
+  # torch for the CPU tier's tensor tests (tests/test_tensors.py), on Python 3.11 only: its CPU
+  # build (PyPI's plain "torch" is a CUDA build of several GB). From the package index pip is
+  # set up with where that has it (a local mirror), else from PyTorch's own CPU index. The other
+  # Pythons (the version matrix) skip those tests, saying why.
   if [ $with_torch = 1 ]; then
-    "$venv/bin/python" -m pip install -q "torch==2.13.0"
+    "$venv/bin/python" -m pip install -q "torch==2.13.0+cpu" 2>/dev/null ||
+      "$venv/bin/python" -m pip install -q "torch==2.13.0+cpu" \
+        --extra-index-url https://download.pytorch.org/whl/cpu
   fi
   touch "$stamp"
   [ "$extras" = all ] || touch "$venv/.gpu_serde-installed"  # what the demo needs is there too

@@ -127,9 +127,13 @@ def test_simulate_without_a_count_runs_the_command_after_the_dashes_on_four_gpus
         (("simulate", "--off", "3"), "simulate --off takes no COUNT"),
         (("simulate", "--off", "--", "app.py"), "simulate --off runs no command"),
         (("devices", "--", "app.py"), "devices runs no command: nothing goes after '--'"),
+        (
+            ("doctor", "--scheduler", "tcp://127.0.0.1:9", "--node-ip-address", "127.0.0.1"),
+            "--node-ip-address is for --ray only",
+        ),
     ],
 )
-def test_simulate_refuses_what_it_would_otherwise_misread(args, says):
+def test_the_cli_refuses_what_it_would_otherwise_misread_or_ignore(args, says):
     done = gpu_serde_cli(*args)
     assert done.returncode == 2 and says in done.stderr and done.stdout == ""
 

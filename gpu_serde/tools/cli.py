@@ -81,6 +81,8 @@ def _doctor(args: argparse.Namespace) -> int:
     from gpu_serde.text import quoted, safe
     from gpu_serde.tools import doctor
 
+    if args.scheduler and args.node_ip_address is not None:
+        return _fail("doctor: --node-ip-address is for --ray only (a Dask client needs none)")
     try:
         if args.ray:
             survey = doctor.survey_ray(
