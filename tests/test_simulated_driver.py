@@ -571,3 +571,20 @@ def test_a_cli_cluster_checks_its_layout_before_starting_anything(call, error, s
 
     with pytest.raises(error, match=says), call(clusters):
         pass
+
+
+def test_a_malformed_gpu_list_says_which_entry_on_stderr(simulated_gpus):
+    from gpu_serde import testing
+
+    env = testing.child_env(simulated_gpus)
+    env["GPU_SERDE_SIM_GPUS"] = f"{simulated_gpus[0].uuid}|H200|0000:19:00.0;GPU-8e50\x1b[31m"
+    done = subprocess.run(
+        [sys.executable, "-c", "import gpu_serde; print(len(gpu_serde.visible_devices()))"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.stdout.strip() == "0"
+    assert "GPU_SERDE_SIM_GPUS entry 1 (GPU-8e50?[31m) is not GPU-<32 hex digits>" in done.stderr
+    assert "\x1b" not in done.stderr

@@ -51,6 +51,20 @@ static int parse_uuid_hex(const char *s, size_t len, unsigned char *out, int all
     return digits;
 }
 
+/* Say once on stderr why GPU_SERDE_SIM_GPUS is refused (cuInit then fails), its entry shown
+ * with anything unprintable as '?'. */
+static void bad_spec(int index, const char *entry, size_t len) {
+    char shown[61];
+    size_t n = 0;
+    for (; n < len && n < sizeof shown - 1; n++)
+        shown[n] = (entry[n] >= 0x20 && entry[n] < 0x7f) ? entry[n] : '?';
+    shown[n] = '\0';
+    fprintf(stderr, "gpu_serde simulated driver: GPU_SERDE_SIM_GPUS entry %d (%s%s) is not "
+            "GPU-<32 hex digits>|NAME|PCI bus id: cuInit fails with CUDA_ERROR_INVALID_VALUE. "
+            "Let gpu_serde.testing.child_env / activate or `gpu-serde simulate` write it\n",
+            index, shown, n < len ? "..." : "");
+}
+
 static void parse_spec(void) {
     const char *spec = getenv("GPU_SERDE_SIM_GPUS");
     n_all = 0;
@@ -63,11 +77,12 @@ static void parse_spec(void) {
             struct gpu *g = &all_gpus[n_all];
             const char *bar1 = memchr(p, '|', len);
             const char *bar2 = bar1 ? memchr(bar1 + 1, '|', len - (size_t)(bar1 + 1 - p)) : NULL;
-            if (!bar1 || !bar2 || bar1 - p < 5) { n_all = -2; return; }
-            if (strncmp(p, "GPU-", 4) == 0) g->mig = 0;
-            else if (strncmp(p, "MIG-", 4) == 0) g->mig = 1;
-            else { n_all = -2; return; }
-            if (parse_uuid_hex(p + 4, (size_t)(bar1 - p - 4), g->uuid, 0) != 32) { n_all = -2; return; }
+            int ok = bar1 && bar2 && bar1 - p >= 5;
+            if (ok && strncmp(p, "GPU-", 4) == 0) g->mig = 0;
+            else if (ok && strncmp(p, "MIG-", 4) == 0) g->mig = 1;
+            else ok = 0;
+            if (ok && parse_uuid_hex(p + 4, (size_t)(bar1 - p - 4), g->uuid, 0) != 32) ok = 0;
+            if (!ok) { bad_spec(n_all, p, len); n_all = -2; return; }
             size_t nlen = (size_t)(bar2 - bar1 - 1);
             if (nlen >= sizeof g->name) nlen = sizeof g->name - 1;
             memcpy(g->name, bar1 + 1, nlen); g->name[nlen] = 0;
