@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+from importlib import metadata
 
 import pytest
 
@@ -487,6 +488,8 @@ def test_gpus_activated_after_a_look_that_found_no_driver_are_seen(simulated_gpu
 
     if testing.real_driver_present():
         pytest.skip("a real CUDA driver is here: the first look finds it")
+    if int(metadata.version("cuda-bindings").split(".")[0]) < 13:
+        pytest.skip("cuda-bindings 12 keeps a failed driver load for the process's life itself")
     got = run_child(
         """
         import pickle
