@@ -1,9 +1,10 @@
-"""One TCP connection attempt, to say at once that nothing listens at a cluster's address
-(Ray's and distributed's clients retry for minutes)."""
+"""TCP connection attempts, to say plainly that nothing listens at a cluster's address (Ray's and
+distributed's clients retry for minutes, then time out without saying why)."""
 
 from __future__ import annotations
 
 import socket
+import time
 
 
 def host_port(address: str) -> tuple[str, int] | None:
@@ -32,3 +33,15 @@ def refused(address: str, timeout: float) -> str | None:
         return str(exc.strerror or exc)
     except OSError:
         return None
+
+
+def refused_for(address: str, wait: float) -> str | None:
+    """Like :func:`refused`, trying again every 0.2 s for up to ``wait`` seconds while the
+    connection is refused (a cluster that is still starting): why it was still refused at the
+    end, or None as soon as it is accepted (or is not a plain address, or does not answer)."""
+    deadline = time.monotonic() + wait
+    while True:
+        why = refused(address, max(0.1, deadline - time.monotonic()))
+        if why is None or time.monotonic() >= deadline:
+            return why
+        time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))

@@ -418,11 +418,13 @@ def test_rays_own_tensor_pickling_is_said_where_gpu_serde_installs(monkeypatch, 
     assert not setup.warn_if_ray_pickles_tensors()
 
 
-def test_init_with_an_address_where_nothing_listens_says_so_at_once():
+def test_init_with_an_address_where_nothing_listens_says_so(monkeypatch):
+    import gpu_serde.ray.setup
     from gpu_serde.testing.clusters import free_port
 
+    monkeypatch.setattr(gpu_serde.ray.setup, "CONNECT_WAIT_S", 1.0)  # a head still starting: 30 s
     address = f"127.0.0.1:{free_port()}"  # ray.init would retry for minutes
     was = ray.is_initialized()  # (an earlier test's local cluster may be up in this process)
-    with pytest.raises(ConnectionError, match=r"nothing answers there \(Connection refused\)"):
+    with pytest.raises(ConnectionError, match=r"within 1 s \(Connection refused\)"):
         gpu_serde.ray.init(address=address)
     assert ray.is_initialized() == was  # nothing was started

@@ -31,10 +31,13 @@ from typing import Any
 import ray
 
 from gpu_serde.inventory import set_role
-from gpu_serde.netcheck import refused
+from gpu_serde.netcheck import refused_for
 from gpu_serde.ray import tensor_transport, transport
 from gpu_serde.registry import ensure_installed
 from gpu_serde.text import quoted
+
+#: Seconds :func:`init` waits for an ``address`` that refuses connections to accept one.
+CONNECT_WAIT_S = 30.0
 
 #: The ``worker_process_setup_hook`` that installs gpu_serde in a Ray worker.
 HOOK = "gpu_serde.ray.setup_worker"
@@ -189,22 +192,24 @@ def init(*args: Any, **kwargs: Any) -> Any:
     In a job started by ``ray job submit`` whose runtime_env already carries the worker hook,
     the hook is not given again (Ray refuses a key that both the job and ``ray.init`` set).
 
-    An ``address`` of a running cluster (``host:port``) that refuses the connection is said at
-    once (``ray.init`` would retry for minutes).
+    An ``address`` (``host:port``) that refuses the connection for 30 seconds
+    (``gpu_serde.ray.setup.CONNECT_WAIT_S``; a head still starting gets that long) is a
+    ``ConnectionError`` (``ray.init`` would retry for minutes).
 
     Raises:
         ValueError: as :func:`runtime_env`, or the submitted job's runtime_env names another
             ``worker_process_setup_hook``.
         TypeError: ``runtime_env`` is not a dict (or None).
-        ConnectionError: nothing listens at ``address``.
+        ConnectionError: nothing listened at ``address`` within that time.
     """
     address = kwargs.get("address", args[0] if args else None)
-    why = refused(address, 5) if isinstance(address, str) else None
+    why = refused_for(address, CONNECT_WAIT_S) if isinstance(address, str) else None
     if why is not None:
         raise ConnectionError(
-            f"gpu_serde.ray.init(address={quoted(address)}): nothing answers there ({why}): is "
-            "the cluster running? `ray start --head` prints its address (host:port of the GCS, "
-            "port 6379 unless --port says otherwise); leave address out to start a local one"
+            f"gpu_serde.ray.init(address={quoted(address)}): nothing answered there within "
+            f"{CONNECT_WAIT_S:g} s ({why}): is the cluster running? `ray start --head` prints "
+            "its address (host:port of the GCS, port 6379 unless --port says otherwise); leave "
+            "address out to start a local one"
         )
     env = runtime_env(kwargs.get("runtime_env"))
     job = _job_runtime_env()

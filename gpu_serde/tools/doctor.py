@@ -23,7 +23,7 @@ from typing import Any
 
 import gpu_serde
 from gpu_serde.inventory import inventory, uuid_of
-from gpu_serde.netcheck import refused
+from gpu_serde.netcheck import refused_for
 from gpu_serde.registry import is_installed
 from gpu_serde.routing import ownership_notes
 from gpu_serde.text import quoted, safe
@@ -178,9 +178,9 @@ def survey_dask(address: str, timeout: float = 30, expect: int = 0) -> Survey:
     """
     from distributed import Client  # the dask extra, optional: doctor --ray needs only Ray
 
-    _check_refused(address, timeout)
+    left = _check_refused(address, timeout)
     try:
-        connected = Client(address, timeout=timeout)
+        connected = Client(address, timeout=left)
     except ValueError as exc:  # "missing port number in address ...", an unknown protocol
         raise AddressError(safe(str(exc))) from None
     with connected as client:
@@ -287,20 +287,23 @@ def _check_ray_address(address: str) -> None:
         raise AddressError("no host before the port")
 
 
-def _check_refused(address: str, timeout: float) -> None:
-    """Fail at once when a Dask scheduler's ``tcp://host:port`` refuses the connection
-    (distributed's client would retry until its timeout); any other answer, or none, is left to
-    the client.
+def _check_refused(address: str, timeout: float) -> float:
+    """Wait up to ``timeout`` for a Dask scheduler's ``tcp://host:port`` to accept a connection
+    (one still starting), and say so plainly if it refused all along (distributed's client would
+    time out without saying why); any other answer, or none, is left to the client. Returns the
+    seconds left of ``timeout``.
 
     Raises:
-        ConnectionError: the connection was refused.
+        ConnectionError: the connection was refused for all of ``timeout``.
     """
-    why = refused(address, timeout)
+    start = time.monotonic()
+    why = refused_for(address, timeout)
     if why is not None:
         raise ConnectionError(
-            f"nothing answers there ({why}): is the scheduler running? "
+            f"nothing answered there within {timeout:g} s ({why}): is the scheduler running? "
             "`dask scheduler` prints its address (tcp://host:port, port 8786 by default)"
         )
+    return max(1.0, timeout - (time.monotonic() - start))
 
 
 def _check_listening(address: str, timeout: float) -> None:
