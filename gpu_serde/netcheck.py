@@ -20,19 +20,24 @@ def host_port(address: str) -> tuple[str, int] | None:
     return (host, int(port)) if 1 <= int(port) <= 65535 else None
 
 
-def refused(address: str, timeout: float) -> str | None:
-    """Why a connection to ``address`` (see :func:`host_port`) was refused, or None: it was
-    accepted, it is not a plain address, or no answer came within ``timeout`` (at most 5 s)."""
+def failure(address: str, timeout: float) -> OSError | None:
+    """What one connection to ``address`` (see :func:`host_port`) failed with within ``timeout``
+    (at most 5 s), or None: it was accepted, or it is not a plain address."""
     target = host_port(address)
     if target is None:
         return None
     try:
         with socket.create_connection(target, timeout=max(0.1, min(timeout, 5))):
             return None
-    except ConnectionRefusedError as exc:
-        return str(exc.strerror or exc)
-    except OSError:
-        return None
+    except OSError as exc:
+        return exc
+
+
+def refused(address: str, timeout: float) -> str | None:
+    """Why a connection to ``address`` was refused, or None: it was accepted, it is not a plain
+    address, or it failed otherwise (no answer within ``timeout``)."""
+    exc = failure(address, timeout)
+    return str(exc.strerror or exc) if isinstance(exc, ConnectionRefusedError) else None
 
 
 def refused_for(address: str, wait: float) -> str | None:

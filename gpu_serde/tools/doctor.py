@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import ipaddress
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -23,7 +22,7 @@ from typing import Any
 
 import gpu_serde
 from gpu_serde.inventory import inventory, uuid_of
-from gpu_serde.netcheck import refused_for
+from gpu_serde.netcheck import failure, refused_for
 from gpu_serde.registry import is_installed
 from gpu_serde.routing import ownership_notes
 from gpu_serde.text import quoted, safe
@@ -315,18 +314,13 @@ def _check_listening(address: str, timeout: float) -> None:
         ConnectionError: nothing listens there.
     """
     _check_ray_address(address)
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or "/" in address:
-        return  # "auto", "ray://...", ...: Ray's own lookup
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=min(timeout, 5)):
-            pass
-    except OSError as exc:
+    exc = failure(address, timeout)  # None too for "auto", "ray://...": Ray's own lookup
+    if exc is not None:
         raise ConnectionError(
             f"nothing answers there ({exc.strerror or exc}): is the cluster running? "
             "`ray start --head` prints its address (host:port of the GCS, port 6379 unless "
             "--port says otherwise)"
-        ) from None
+        )
 
 
 @contextlib.contextmanager
