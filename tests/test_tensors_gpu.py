@@ -190,6 +190,33 @@ def test_shared_tensors_reach_a_child_without_a_copy_with_their_layout(gpu, monk
         assert got[name]["device"] == 0
 
 
+def test_the_stream_gpu_serde_orders_after_is_torchs_current_one_in_each_thread(gpu):
+    import threading
+
+    from gpu_serde.memory import driver as _driver
+    from gpu_serde.tensors import torch as torch_side
+
+    ordinal, _ = gpu
+    side = torch.cuda.Stream(ordinal)
+
+    def public() -> int:  # torch's public answer, as the driver reads it
+        return _driver.raw_stream(int(torch.cuda.current_stream(ordinal).cuda_stream))
+
+    seen = {"default": (torch_side.current_stream(ordinal), public())}
+    with torch.cuda.stream(side):
+        seen["side"] = (torch_side.current_stream(ordinal), public())
+
+        def other_thread() -> None:  # a thread has its own current stream: the default one
+            seen["other thread"] = (torch_side.current_stream(ordinal), public())
+
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        worker.join()
+    assert all(mine == theirs for mine, theirs in seen.values()), seen
+    assert seen["side"][0] == int(side.cuda_stream)
+    assert seen["other thread"][0] == seen["default"][0] != seen["side"][0]
+
+
 @pytest.mark.parametrize("how", ["pickled here", "on a multiprocessing queue"])
 @pytest.mark.parametrize("where", ["a side stream", "the default stream"])
 def test_work_queued_before_sending_is_done_before_the_receiver_reads(gpu, monkeypatch, where, how):

@@ -1,5 +1,5 @@
-"""What the torch and CuPy modules share: finding the receiver's GPU by UUID, carrying bytes out
-of band, and the memory window a tensor is built over. Imports neither torch nor CuPy.
+"""What the torch and CuPy modules share: finding the receiver's GPU by UUID and carrying bytes
+out of band. Imports neither torch nor CuPy.
 """
 
 from __future__ import annotations
@@ -106,27 +106,6 @@ class Carried:
         if int(protocol) >= 5:
             return (pickle.PickleBuffer, (pickle.PickleBuffer(self.view),))
         return (bytes, (self.view.tobytes(),))
-
-
-class Window:
-    """``nbytes`` of device memory at ``ptr`` as a ``__cuda_array_interface__`` of bytes: what a
-    tensor or array is built over without a copy. Keeps ``owner`` (the Buffer) alive as long as
-    the tensor built over it lives."""
-
-    __slots__ = ("nbytes", "owner", "ptr")
-
-    def __init__(self, owner: Any, ptr: int, nbytes: int) -> None:
-        self.owner, self.ptr, self.nbytes = owner, ptr, nbytes
-
-    @property
-    def __cuda_array_interface__(self) -> dict[str, Any]:
-        return {
-            "shape": (self.nbytes,),
-            "typestr": "|u1",
-            "data": (self.ptr, False),
-            "strides": None,
-            "version": 3,
-        }
 
 
 def torch_pickles() -> bool:

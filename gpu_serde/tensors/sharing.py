@@ -122,11 +122,17 @@ def block_at(ptr: int) -> tuple[Buffer, int] | None:
     return None if buf is None or not buf.handle else (buf, hit[1])
 
 
+_default_streams: dict[int, int] = {}  # ordinal -> handle: fixed for the process's life
+
+
 def default_stream(ordinal: int) -> int:
     """The handle of cuda.core's default stream on device ``ordinal`` (what arena blocks are
     allocated on here)."""
-    with _driver.context(ordinal):
-        return int(Device(ordinal).default_stream.handle)
+    handle = _default_streams.get(ordinal)
+    if handle is None:
+        with _driver.context(ordinal):
+            handle = _default_streams[ordinal] = int(Device(ordinal).default_stream.handle)
+    return handle
 
 
 def allocate(ordinal: int, nbytes: int, arena: ArenaMemoryResource | None = None) -> Buffer:
