@@ -163,8 +163,16 @@ def test_an_address_that_is_no_address_is_one_line_with_what_was_wrong_escaped()
     assert done.returncode == 2
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("gpu-serde: doctor: 'garbage\\x1b[31m' is not a cluster's address: ")
-    assert "missing port number" in line  # distributed's reason, escaped too
+    assert "no spaces, line breaks or control characters" in line
     assert "\x1b" not in line
+
+
+def test_an_address_distributed_cannot_parse_is_one_line_with_its_reason():
+    done = gpu_serde_cli("doctor", "--scheduler", "garbage", "--timeout", "5")
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("gpu-serde: doctor: 'garbage' is not a cluster's address: ")
+    assert "missing port number" in line  # distributed's reason
 
 
 @pytest.mark.parametrize(
@@ -176,13 +184,34 @@ def test_an_address_that_is_no_address_is_one_line_with_what_was_wrong_escaped()
         (":6379", "no host before the port"),
         ("tcp://127.0.0.1:8786", "use --scheduler for Dask"),
         ("http://127.0.0.1:8265", "http:// is the Ray dashboard's address"),
+        ("", "the address is empty"),
+        ("local", "'local' starts a new Ray cluster in the doctor's own process"),
+        ("127.0.0.1:6379\n", "no spaces, line breaks or control characters"),
     ],
 )
 def test_a_ray_address_that_is_none_is_one_line_at_once(address, says):
     done = gpu_serde_cli("doctor", "--ray", address, "--timeout", "5")
     assert done.returncode == 2
     (line,) = done.stderr.strip().splitlines()
-    assert line.startswith(f"gpu-serde: doctor: '{address}' is not a cluster's address: ")
+    assert line.startswith("gpu-serde: doctor: '") and " is not a cluster's address: " in line
+    assert says in line
+
+
+@pytest.mark.parametrize(
+    ("address", "says"),
+    [
+        ("", "the address is empty"),
+        ("tcp://127.0.0.1:99999", "the port must be a number from 1 to 65535, not '99999'"),
+        ("tcp://127.0.0.1:8786\n", "no spaces, line breaks or control characters"),
+        ("tls://127.0.0.1:8786", "tls:// needs TLS settings (certificates)"),
+        ("ray://127.0.0.1:10001", "ray:// is not a Dask scheduler's address"),
+    ],
+)
+def test_a_scheduler_address_the_doctor_cannot_use_is_one_line_at_once(address, says):
+    done = gpu_serde_cli("doctor", "--scheduler", address, "--timeout", "30")
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("gpu-serde: doctor: '") and " is not a cluster's address: " in line
     assert says in line
 
 
@@ -199,11 +228,19 @@ def test_a_negative_expect_is_refused_by_the_parser():
     assert "must be 0 or more" in done.stderr
 
 
+def test_an_expect_that_is_no_number_says_what_it_takes():
+    done = gpu_serde_cli("doctor", "--scheduler", "tcp://127.0.0.1:9", "--expect", "abc")
+    assert done.returncode == 2
+    assert "argument --expect: a whole number, 0 or more, not 'abc'" in done.stderr
+    assert "_non_negative" not in done.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "says"),
     [
         (("simulate", "abc"), "argument COUNT: a number of GPUs, 1 to 64, not 'abc'"),
         (("simulate", "65"), "must be 1 to 64 GPUs, not 65"),
+        (("simulate", "\uff13"), "argument COUNT: a number of GPUs, 1 to 64, not '\uff13'"),
     ],
 )
 def test_a_count_that_is_not_one_says_what_it_takes(args, says):

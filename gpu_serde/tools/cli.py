@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import sys
 import textwrap
 from collections.abc import Callable
@@ -83,18 +84,18 @@ def _doctor(args: argparse.Namespace) -> int:
 
     if args.scheduler and args.node_ip_address is not None:
         return _fail("doctor: --node-ip-address is for --ray only (a Dask client needs none)")
+    where = args.ray if args.ray is not None else args.scheduler
     try:
-        if args.ray:
+        if args.ray is not None:
             survey = doctor.survey_ray(
                 args.ray, args.node_ip_address, timeout=args.timeout, expect=args.expect
             )
         else:
             survey = doctor.survey_dask(args.scheduler, timeout=args.timeout, expect=args.expect)
     except (ConnectionError, OSError, TimeoutError, asyncio.TimeoutError) as exc:  # 3.10: two kinds
-        where = args.ray or args.scheduler
-        return _fail(f"doctor: cannot reach the cluster at {quoted(where)}: {safe(str(exc))}")
+        why = _LONG_SECONDS.sub(lambda m: f"{float(m.group()):.1f}", safe(str(exc)))
+        return _fail(f"doctor: cannot reach the cluster at {quoted(where)}: {why}")
     except doctor.AddressError as exc:
-        where = args.ray or args.scheduler
         return _fail(f"doctor: {quoted(where)} is not a cluster's address: {exc}")
     if args.json:
         print(json.dumps(survey.to_json(), indent=2))
@@ -173,18 +174,24 @@ def _fail(text: str) -> int:
     return 2
 
 
+#: A number with many decimals in an engine's message ("after 2.9999862929980736 s"), not an IP.
+_LONG_SECONDS = re.compile(r"(?<![\d.])\d+\.\d{4,}(?![\d.])")
+
+
 def _non_negative(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a whole number, 0 or more, not {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
     return value
 
 
 def _positive_count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a number of GPUs, 1 to 64, not {text!r}") from None
+    if not (text.isascii() and text.strip().isdecimal()):  # int() takes other scripts' digits
+        raise argparse.ArgumentTypeError(f"a number of GPUs, 1 to 64, not {text!r}")
+    value = int(text)
     if not 1 <= value <= 64:
         raise argparse.ArgumentTypeError(f"must be 1 to 64 GPUs, not {value}")
     return value

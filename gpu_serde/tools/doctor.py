@@ -173,15 +173,25 @@ def survey_dask(address: str, timeout: float = 30, expect: int = 0) -> Survey:
 
     Raises:
         OSError: the scheduler cannot be reached within ``timeout``.
-        AddressError: ``address`` is not a scheduler's address (distributed cannot parse it).
+        AddressError: ``address`` is not a scheduler's address the doctor can connect to
+            (empty, a port that is not 1 to 65535, TLS, a Ray address, or one distributed
+            cannot parse or has no support for here).
     """
     from distributed import Client  # the dask extra, optional: doctor --ray needs only Ray
 
+    _check_dask_address(address)
     left = _check_refused(address, timeout)
     try:
         connected = Client(address, timeout=left)
     except ValueError as exc:  # "missing port number in address ...", an unknown protocol
         raise AddressError(safe(str(exc))) from None
+    except (TypeError, ImportError) as exc:  # ucx:// without UCX support installed here
+        scheme = address.partition("://")[0] if "://" in address else "tcp"
+        raise AddressError(
+            f"distributed here cannot connect over {quoted(scheme)} "
+            f"({type(exc).__name__}: {safe(str(exc))}): install its support (ucx: "
+            "distributed-ucxx), or check through a tcp:// listener of the scheduler"
+        ) from None
     with connected as client:
         if expect:
             # reported below: fewer workers than expected (on Python 3.10, asyncio's TimeoutError
@@ -262,9 +272,17 @@ def _check_ray_address(address: str) -> None:
     """Refuse what is no Ray address at once (Ray itself would wait on it for minutes).
 
     Raises:
-        AddressError: a Dask scheduler's ``tcp://`` address, or a ``host:port`` whose port is
-            not 1 to 65535.
+        AddressError: empty, with control characters, ``local`` (a new cluster), a Dask
+            scheduler's ``tcp://`` address, the dashboard's ``http://``, or a ``host:port``
+            whose port is not 1 to 65535.
     """
+    _check_text(address)
+    if address.strip().lower() == "local":
+        raise AddressError(
+            "'local' starts a new Ray cluster in the doctor's own process, not the one to check: "
+            "--ray takes the head's host:port (its GCS, port 6379 unless --port said otherwise), "
+            "or 'auto' on a node of the cluster"
+        )
     scheme, sep, rest = address.partition("://")
     if sep and scheme.lower() in ("tcp", "tls", "ucx", "inproc", "ws", "wss"):
         raise AddressError(
@@ -279,11 +297,57 @@ def _check_ray_address(address: str) -> None:
         )
     if sep and scheme.lower() != "ray":
         return  # another scheme (a client builder's module): Ray's own lookup
-    host, sep, port = (rest if sep else address).rstrip("/").rpartition(":")
+    _check_port(rest if sep else address)
+
+
+def _check_text(address: str) -> None:
+    """Refuse an empty address, or one with whitespace or control characters in it.
+
+    Raises:
+        AddressError: it is so.
+    """
+    if not address.strip():
+        raise AddressError("the address is empty")
+    if any(c.isspace() or not c.isprintable() for c in address):
+        raise AddressError("an address has no spaces, line breaks or control characters")
+
+
+def _check_port(host_port: str) -> None:
+    """Refuse a ``host:port`` (no scheme) whose port is not 1 to 65535 or that has no host.
+
+    Raises:
+        AddressError: it is so.
+    """
+    host, sep, port = host_port.rstrip("/").rpartition(":")
     if sep and not (port.isascii() and port.isdecimal() and 1 <= int(port) <= 65535):
         raise AddressError(f"the port must be a number from 1 to 65535, not {quoted(port)}")
     if sep and not host.strip("[]"):
         raise AddressError("no host before the port")
+
+
+def _check_dask_address(address: str) -> None:
+    """Refuse at once what the doctor cannot connect to as a Dask scheduler (distributed would
+    time out, or fail with an error about its own classes).
+
+    Raises:
+        AddressError: an empty address, control characters, a port that is not 1 to 65535, a
+            TLS address (the doctor takes no security settings), a Ray address.
+    """
+    _check_text(address)
+    scheme, sep, rest = address.partition("://")
+    kind = scheme.lower() if sep else "tcp"
+    if kind in ("tls", "wss"):
+        raise AddressError(
+            f"{scheme}:// needs TLS settings (certificates), which the doctor does not take: "
+            "check through a tcp:// listener of the scheduler"
+        )
+    if kind in ("ray", "http", "https"):
+        raise AddressError(
+            f"{scheme}:// is not a Dask scheduler's address: --scheduler takes tcp://host:port "
+            "(port 8786 by default), --ray a Ray head's host:port"
+        )
+    if kind in ("tcp", "ucx", "ws"):
+        _check_port(rest if sep else address)
 
 
 def _check_refused(address: str, timeout: float) -> float:
