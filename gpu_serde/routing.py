@@ -14,14 +14,66 @@ from typing import Any
 from cuda.core import Buffer, Device, MemoryResource
 
 from gpu_serde.errors import DeviceNotVisibleError, PlacementError
+from gpu_serde.format.device import decode_device
 from gpu_serde.inventory import inventory
 from gpu_serde.placeholders import UnresolvedDevice, UnresolvedObject, placeholder_uuid
 
 ACCEPTED = (
     "a cuda.core Device, a gpu_serde.UnresolvedDevice placeholder, a device memory resource "
-    "(DeviceMemoryResource, VirtualMemoryResource, ArenaMemoryResource), a Buffer from one, or a "
-    "list or tuple of them"
+    "(DeviceMemoryResource, VirtualMemoryResource, ArenaMemoryResource), a Buffer from one, a "
+    "CUDA torch tensor or CuPy array (or what gpu_serde.share made of one, or a placeholder of "
+    "one sent from a GPU not seen here), or a list or tuple of them"
 )
+
+#: Where the tensors and arrays :func:`target_uuid` takes come from (checked by module name:
+#: neither library is imported here).
+_LIBRARIES = ("torch", "cupy", "gpu_serde.tensors")
+
+#: The rebuilds of tensors and arrays whose placeholder names the GPU it was sent from.
+_TENSOR_WIRES = {"tval": "device", "tipc": "device", "tshr": "region"}
+
+
+def _sent_from(placeholder: UnresolvedObject) -> str | None:
+    """The canonical UUID of the GPU a tensor's or array's placeholder was sent from, or None
+    (not a tensor's, or its payload is malformed)."""
+    from gpu_serde.format import tensor as formats
+
+    rebuild = placeholder._rebuild
+    name = getattr(rebuild, "__name__", "")
+    if getattr(rebuild, "__module__", "") != "gpu_serde.wire" or name not in _TENSOR_WIRES:
+        return None
+    try:
+        p = getattr(formats, f"decode_{name}")(placeholder._args[0])
+        device = p.block.region.device if name == "tshr" else p.device
+        return decode_device(device).canonical_uuid
+    except Exception:  # malformed: its own error says so
+        return None
+
+
+def _tensor_uuid(obj: Any) -> str | None:
+    """The canonical UUID of the GPU a torch tensor, CuPy array or ``Shared`` lives on, or None
+    for anything else.
+
+    Raises:
+        TypeError: a tensor in host memory.
+    """
+    from gpu_serde.tensors import sharing
+    from gpu_serde.tensors.common import NAMES
+
+    if isinstance(obj, sharing.Shared):
+        return _local_uuid(obj.ordinal, f"this shared {NAMES[obj.library]}")
+    library = sharing.library_of(obj)
+    if library is None:
+        return None
+    m = sharing.module(library)
+    what = f"this {NAMES[library]}"
+    if not m.is_cuda(obj):
+        where = getattr(obj, "device", "host memory")
+        raise TypeError(
+            f"{what} is not a GPU tensor gpu_serde carries (it is on {where}): it has no GPU to "
+            "send work to"
+        )
+    return _local_uuid(m.device_of(obj), what)
 
 
 def _local_uuid(ordinal: int, what: str) -> str:
@@ -39,8 +91,12 @@ def _local_uuid(ordinal: int, what: str) -> str:
 def _one_uuid(obj: Any) -> str:
     if isinstance(obj, UnresolvedDevice):
         return placeholder_uuid(obj)
-    if isinstance(obj, UnresolvedObject):  # (its GPU may be a peer's, not where it lives)
-        raise obj._error()  # why it could not be rebuilt here: route by its Device instead
+    if isinstance(obj, UnresolvedObject):
+        sent_from = _sent_from(obj)  # a tensor sent by value or shared: where it was sent from
+        if sent_from is not None:
+            return sent_from
+        # memory's error may name a peer's GPU, not where it lives: route by its Device instead
+        raise obj._error()
     if isinstance(obj, Device):
         return _local_uuid(obj.device_id, f"Device({obj.device_id})")
     if isinstance(obj, Buffer):
@@ -60,6 +116,9 @@ def _one_uuid(obj: Any) -> str:
         if not obj.is_device_accessible or obj.device_id < 0:
             raise TypeError(f"{what} is host memory: it has no GPU to send work to")
         return _local_uuid(obj.device_id, what)
+    tensor = _tensor_uuid(obj) if type(obj).__module__.startswith(_LIBRARIES) else None
+    if tensor is not None:
+        return tensor
     if isinstance(obj, bool | int):
         raise TypeError(
             f"on() takes {ACCEPTED}, not an ordinal ({obj!r}): an ordinal means another GPU in "
@@ -86,17 +145,22 @@ def target_uuid(obj: Any) -> str:
     Args:
         obj: a ``cuda.core.Device`` (of this process), an :class:`~gpu_serde.UnresolvedDevice`
             (a Device whose GPU this process cannot see), a device memory resource
-            (``mr.device_id``), a ``Buffer`` (its memory resource's device), or a non-empty list
-            or tuple of those, all on one GPU.
+            (``mr.device_id``), a ``Buffer`` (its memory resource's device), a CUDA torch
+            tensor or CuPy array (its device), what :func:`gpu_serde.share` made of one, a
+            placeholder of a tensor or array sent by value or shared from a GPU this process
+            does not see (the GPU it was sent from), or a non-empty list or tuple of those, all
+            on one GPU.
 
     Raises:
-        TypeError: ``obj`` is none of those (an int ordinal included), or is host memory.
+        TypeError: ``obj`` is none of those (an int ordinal included), or is host memory (a
+            CPU tensor too).
         ValueError: ``obj`` is a closed ``Buffer``.
         PlacementError: a list is empty, or holds objects on different GPUs.
         DeviceNotVisibleError: a Device or memory names an ordinal this process does not see.
         DeviceNotVisibleError, PayloadError, HandoffError: ``obj`` is an
-            :class:`~gpu_serde.UnresolvedObject`: its own error (a GPU not visible here, a
-            malformed payload, a gone exporter, ...); route by a Device of its GPU instead.
+            :class:`~gpu_serde.UnresolvedObject` of memory (not a tensor's), or a malformed
+            one: its own error (a GPU not visible here, a gone exporter, ...); route by a
+            Device of its GPU instead.
     """
     if isinstance(obj, list | tuple):
         items: Iterable[Any] = obj

@@ -211,24 +211,46 @@ def test_a_gpu_no_worker_sees_raises_at_on_naming_every_worker(dask_cluster):
     assert "no GPU (CUDA_VISIBLE_DEVICES is empty" in text  # the blind worker
 
 
-def test_a_placeholder_that_is_no_device_is_refused_with_its_own_error(dask_cluster):
+def tensor_sent_from(uuid: str) -> object:
+    """A CUDA tensor sent by value from the GPU ``uuid``, as this process receives it: a
+    placeholder (that GPU is not visible here, or torch here has no CUDA)."""
+    from gpu_serde.wire import tval
+
+    meta = ("torch", "Tensor", "float32", 4, (4,), (1,), 0, False)
+    dev = encode_device(uuid_bytes(uuid), False, 0, 1, "elsewhere", "NVIDIA H200")
+    return tval((1, dev, meta, 0, 16, bytes(16)))
+
+
+def test_a_tensor_placeholder_routes_to_the_gpu_it_was_sent_from(dask_cluster):
+    pytest.importorskip("torch", reason="a tensor's placeholder is made where torch is")
+    client, _, uuids, _ = dask_cluster
+    arrived = tensor_sent_from(uuids[2])  # this process's torch has no CUDA: a placeholder
+    assert isinstance(arrived, gpu_serde.UnresolvedObject)
+    assert gpu_serde.dask.on(arrived, client) == {"resources": {resource_name(uuids[2]): 1}}
+
+
+def test_a_tensor_from_a_gpu_no_worker_sees_raises_at_on_and_a_malformed_one_its_own_error(
+    dask_cluster,
+):
     from gpu_serde.wire import tval
 
     client, _, _, _ = dask_cluster
-    meta = ("torch", "Tensor", "float32", 4, (4,), (1,), 0, False)
-
-    def tensor_of(uuid: str) -> object:  # a CUDA tensor sent by value, as this process holds it
-        dev = encode_device(uuid_bytes(uuid), False, 0, 1, "elsewhere", "NVIDIA H200")
-        return tval((1, dev, meta, 0, 16, bytes(16)))
-
-    stranger = tensor_of(OTHER_HOST_GPU)
+    stranger = tensor_sent_from(OTHER_HOST_GPU)
     assert isinstance(stranger, gpu_serde.UnresolvedObject)
-    with pytest.raises(gpu_serde.DeviceNotVisibleError) as info:
-        gpu_serde.dask.on(stranger, client)  # why it is a placeholder here, not a TypeError
+    with pytest.raises(gpu_serde.DeviceNotVisibleError, match="no worker") as info:
+        gpu_serde.dask.on(stranger, client)
     assert info.value.uuid == OTHER_HOST_GPU
+    meta = ("torch", "Tensor", "float32", 4, (4,), (1,), 0, False)
     malformed = tval((1, b"hello", meta, 0, 0, b""))
     with pytest.raises(gpu_serde.PayloadError, match="not a device payload"):
         gpu_serde.dask.on(malformed, client)
+
+
+def test_a_cpu_tensor_is_a_type_error_that_says_it_has_no_gpu(dask_cluster):
+    torch = pytest.importorskip("torch", reason="a torch tensor")
+    client, _, _, _ = dask_cluster
+    with pytest.raises(TypeError, match=r"this torch\.Tensor is not a GPU tensor .* on cpu"):
+        gpu_serde.dask.on(torch.ones(2), client)
 
 
 NO_CLIENT = """
@@ -249,8 +271,8 @@ def test_on_without_a_client_says_to_make_or_pass_one(sim_env):
 
 
 def test_the_dask_quick_start_runs_as_written_against_a_scheduler(dask_cluster):
-    # tests/test_doc_blocks.py runs it on a local cluster of its own (Client() starts one);
-    # here Client() finds the scheduler of workers that each own a GPU
+    # tests/test_doc_blocks.py runs it on a local cluster of its own (the block starts one, on
+    # loopback); here it joins the scheduler of workers that each own a GPU
     _, _, uuids, address = dask_cluster
     [code] = python_blocks("docs/quickstart-dask.md", "gpu_serde.dask.on")
     out = run_block(code, dict(os.environ, DASK_SCHEDULER_ADDRESS=address))

@@ -181,6 +181,10 @@ def test_memory_shared_for_a_gpu_seen_here_where_torch_has_no_cuda_says_so(insta
     with pytest.raises(DeviceNotVisibleError, match="torch here has no GPU") as info:
         gpu_serde.resolve(got)
     assert "receive it where torch has CUDA" in str(info.value)
+    # it says which GPU, from where, as an error for a GPU not seen here does
+    uuid = str(Device(0).uuid)
+    assert info.value.uuid == gpu_serde.canonical_uuid(uuid) and uuid in str(info.value)
+    assert info.value.host and info.value.visible
 
 
 def test_strict_mode_raises_device_not_visible_error_at_unpickling(simulated_gpus):

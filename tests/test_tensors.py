@@ -158,6 +158,14 @@ def test_place_on_what_names_no_device_is_a_type_error(device):
         gpu_serde.tensors.place(CASES["contiguous"], device)
 
 
+@pytest.mark.parametrize("device", ["meta", "xpu", "mps:0"])
+def test_place_on_a_device_that_is_neither_cpu_nor_cuda_is_a_type_error(installed, device):
+    # "meta" would give a tensor without the bytes that came: nothing is lost without a word
+    for x in (CASES["contiguous"], wire.tval(cpu_payload(torch.zeros(2, 2)))):
+        with pytest.raises(TypeError, match=f"not a {device.split(':')[0]!r} device"):
+            gpu_serde.tensors.place(x, device)
+
+
 @pytest.mark.parametrize(
     ("make", "error", "says"),
     [
@@ -403,6 +411,8 @@ def test_a_cuda_tensor_from_a_gpu_worker_arrives_as_a_placeholder_whose_bytes_pl
     with pytest.raises(DeviceNotVisibleError, match="torch here has no GPU") as info:
         x.sum()
     assert "gpu_serde.tensors.place(x, 'cpu')" in str(info.value)
+    assert info.value.uuid == installed[0].uuid and installed[0].uuid in str(info.value)
+    assert info.value.host and info.value.visible
     got = gpu_serde.tensors.place(x, "cpu")
     assert type(got) is type(t) and got.requires_grad == t.requires_grad
     assert got.shape == t.shape and torch.equal(got.resolve_conj().resolve_neg(), t.resolve_conj())

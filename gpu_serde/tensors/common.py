@@ -12,6 +12,7 @@ from gpu_serde import inventory as _inventory
 from gpu_serde.errors import DeviceNotVisibleError, HandoffError
 from gpu_serde.format.device import decode_device, raw_uuid
 from gpu_serde.placeholders import not_visible_error
+from gpu_serde.text import quoted, safe
 
 #: How a library names a tensor or array in messages.
 NAMES = {"torch": "torch.Tensor", "cupy": "cupy.ndarray"}
@@ -50,21 +51,29 @@ NOT_HERE = (
 _torch_cuda: list[bool] = []  # whether torch here has CUDA, once asked
 
 
-def need_torch_cuda(what: str, then: str) -> None:
-    """Refuse a torch CUDA tensor (``what``) for a GPU this process sees where torch has no
-    CUDA (a CPU-only build, or simulated GPUs), which the driver's GPU alone cannot help: torch
-    would fail with an untyped error. Asked of torch once per process.
+def need_torch_cuda(what: str, then: str, device: bytes) -> None:
+    """Refuse a torch CUDA tensor (``what``) for a GPU this process sees (``device``, its device
+    payload) where torch has no CUDA (a CPU-only build, or simulated GPUs), which the driver's
+    GPU alone cannot help: torch would fail with an untyped error. Asked of torch once per
+    process.
 
     Raises:
-        DeviceNotVisibleError: torch here has no CUDA; ``then`` says what to do instead.
+        DeviceNotVisibleError: torch here has no CUDA (``uuid``, ``host`` and ``visible`` set as
+            for a GPU this process does not see); ``then`` says what to do instead.
     """
     if not _torch_cuda:
         _torch_cuda.append(bool(sys.modules["torch"].cuda.is_available()))
     if not _torch_cuda[0]:
+        d = decode_device(device)
+        name = quoted(d.name) if d.name else "name unknown"
         raise DeviceNotVisibleError(
-            f"{what} arrived for a GPU this process sees, and torch here has no GPU "
+            f"{what} arrived for GPU {d.canonical_uuid} ({name}), which this process sees, "
+            f"sent from host {quoted(d.host)}; torch here has no GPU "
             "(torch.cuda.is_available() is False: a CPU-only torch build, or simulated GPUs, "
-            f"which run no torch CUDA). {then}"
+            f"which run no torch CUDA). {then}",
+            uuid=d.canonical_uuid,
+            host=safe(d.host),
+            visible=_inventory.inventory().devices,
         )
 
 

@@ -361,7 +361,7 @@ def rebuild_shared(payload: object) -> Any:
         lifetime.local_ordinal(region.device, region.boot, what)
     m = module(p.meta.library)
     if p.meta.library == "torch":  # before the hold: nothing taken for a tensor it cannot build
-        need_torch_cuda(what, NOT_HERE)
+        need_torch_cuda(what, NOT_HERE, region.device)
     block = payload[2]  # type: ignore[index]  # decode checked: a tuple
     buf = arena_importer.receive(p.block, block, what)
     t = m.over(buf, p.meta, int(buf.device_id))

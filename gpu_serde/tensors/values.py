@@ -42,6 +42,7 @@ def rebuild_value(payload: object) -> Any:
         need_torch_cuda(
             f"a {NAMES['torch']}",
             "Its bytes came with it: gpu_serde.tensors.place(x, 'cpu') puts them there.",
+            p.device,
         )
     return m.from_value(p, ordinal)
 
@@ -59,7 +60,7 @@ def rebuild_ipc(payload: object) -> Any:
     what = "a torch CUDA tensor sent through torch.multiprocessing"
     ordinal = lifetime.local_ordinal(p.device, p.boot, what)  # the host and GPU before torch
     m = module("torch")
-    need_torch_cuda(what, NOT_HERE)
+    need_torch_cuda(what, NOT_HERE, p.device)
     return m.from_ipc(p, ordinal)
 
 
@@ -79,7 +80,7 @@ def place(x: Any, device: Any) -> Any:
     object: place a state dict's entries one by one.
 
     Raises:
-        TypeError: ``x`` is none of those.
+        TypeError: ``x`` is none of those, or ``device`` is not the CPU or a CUDA GPU.
         DeviceNotVisibleError, OtherHostError, PayloadError, HandoffError: ``x`` is a
             placeholder of something that carries no bytes (shared memory, torch's own IPC) or
             of a malformed payload: its own reason; only the GPU it names can use it.
@@ -115,7 +116,8 @@ def _torch_device(torch: Any, device: Any) -> Any:
     """``device`` as a ``torch.device`` that this process's torch can use.
 
     Raises:
-        TypeError: it names no device.
+        TypeError: it names no device, or one neither the CPU nor a CUDA GPU (``"meta"`` would
+            keep no bytes).
         DeviceNotVisibleError: it is a GPU this process's torch does not see (a CPU build of
             torch, no GPU visible, or an index past the last).
     """
@@ -129,8 +131,13 @@ def _torch_device(torch: Any, device: Any) -> Any:
             "gpu_serde.tensors.place(x, device): device is 'cpu', 'cuda:N', a torch.device or "
             f"a GPU ordinal, not {device!r:.80}"
         ) from None
-    if where.type != "cuda":
+    if where.type == "cpu":
         return where
+    if where.type != "cuda":  # "meta" keeps no bytes; others are not where gpu_serde puts them
+        raise TypeError(
+            f"gpu_serde.tensors.place(x, {device!r:.80}): device is 'cpu', 'cuda:N', a "
+            f"torch.device of those, or a GPU ordinal, not a {where.type!r} device"
+        )
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count and (where.index is None or where.index < count):
         return where

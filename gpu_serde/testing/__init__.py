@@ -459,7 +459,9 @@ def sent_tensor(t: Any, gpu: SimulatedGPU, *, host: str = "gpu-worker") -> bytes
     ``requires_grad`` and bytes it carries. What your receiving code gets from a GPU worker, for
     testing that code on a machine without one: ``pickle.loads`` of it, where torch has no CUDA
     (or does not see that GPU), is a placeholder that raises ``DeviceNotVisibleError`` when used,
-    and ``gpu_serde.tensors.place(x, "cpu")`` gives a tensor with those bytes.
+    and ``gpu_serde.tensors.place(x, "cpu")`` gives a tensor with those bytes. The sending
+    process it describes is made up: messages about the tensor name ``host``, this process's own
+    pid and CUDA device 0 as where it was sent from, whichever GPU ``gpu`` is.
 
     Raises:
         TypeError: ``t`` is not a dense CPU ``torch.Tensor`` or ``nn.Parameter`` without Python

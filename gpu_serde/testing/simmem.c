@@ -77,7 +77,8 @@ int sim_memfd(const char *name, size_t size) {
 static void violation(const char *what, uintptr_t p) {
     violations++;
     fprintf(stderr, "gpu_serde simulated driver: %s 0x%lx while another process still holds it "
-            "(CUDA: importers free first)\n", what, (unsigned long)p);
+            "(CUDA: importers free first; a pool's buffer closed while a receiver holds it: close it once "
+            "they let go, or allocate it from a gpu_serde.ArenaMemoryResource)\n", what, (unsigned long)p);
     const char *strict = getenv("GPU_SERDE_SIM_STRICT");
     if (strict && strcmp(strict, "1") == 0) abort();
 }
