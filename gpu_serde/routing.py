@@ -8,12 +8,13 @@ buffer, or a list of them) into one canonical GPU UUID. The engine modules
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from typing import Any
 
 from cuda.core import Buffer, Device, MemoryResource
 
-from gpu_serde.errors import DeviceNotVisibleError, PlacementError
+from gpu_serde.errors import DeviceNotVisibleError, OtherHostError, PlacementError
 from gpu_serde.format.device import decode_device
 from gpu_serde.inventory import inventory
 from gpu_serde.placeholders import UnresolvedDevice, UnresolvedObject, placeholder_uuid
@@ -25,22 +26,24 @@ ACCEPTED = (
     "one sent from a GPU not seen here), or a list or tuple of them"
 )
 
-#: Where the tensors and arrays :func:`target_uuid` takes come from (checked by module name:
-#: neither library is imported here).
-_LIBRARIES = ("torch", "cupy", "gpu_serde.tensors")
-
 #: The rebuilds of tensors and arrays whose placeholder names the GPU it was sent from.
-_TENSOR_WIRES = {"tval": "device", "tipc": "device", "tshr": "region"}
+_TENSOR_WIRES = ("tval", "tipc", "tshr")
+
+#: The reasons of a tensor's placeholder that routing answers: it is the GPU that is not here.
+#: Any other (a gone exporter, a refused token, a malformed payload) is raised as it is.
+_ROUTABLE = (DeviceNotVisibleError, OtherHostError)
 
 
 def _sent_from(placeholder: UnresolvedObject) -> str | None:
-    """The canonical UUID of the GPU a tensor's or array's placeholder was sent from, or None
-    (not a tensor's, or its payload is malformed)."""
+    """The canonical UUID of the GPU a tensor's or array's placeholder was sent from, when its
+    reason is that this process does not see that GPU (or is on another host); else None."""
     from gpu_serde.format import tensor as formats
 
     rebuild = placeholder._rebuild
     name = getattr(rebuild, "__name__", "")
     if getattr(rebuild, "__module__", "") != "gpu_serde.wire" or name not in _TENSOR_WIRES:
+        return None
+    if not isinstance(placeholder._error_, _ROUTABLE) or len(placeholder._args) != 1:
         return None
     try:
         p = getattr(formats, f"decode_{name}")(placeholder._args[0])
@@ -52,28 +55,26 @@ def _sent_from(placeholder: UnresolvedObject) -> str | None:
 
 def _tensor_uuid(obj: Any) -> str | None:
     """The canonical UUID of the GPU a torch tensor, CuPy array or ``Shared`` lives on, or None
-    for anything else.
+    for anything else (neither library is imported here: only one already in use is asked).
 
     Raises:
-        TypeError: a tensor in host memory.
+        TypeError: a tensor or array that is not on a CUDA GPU.
     """
-    from gpu_serde.tensors import sharing
-    from gpu_serde.tensors.common import NAMES
-
-    if isinstance(obj, sharing.Shared):
-        return _local_uuid(obj.ordinal, f"this shared {NAMES[obj.library]}")
-    library = sharing.library_of(obj)
-    if library is None:
-        return None
-    m = sharing.module(library)
-    what = f"this {NAMES[library]}"
-    if not m.is_cuda(obj):
-        where = getattr(obj, "device", "host memory")
-        raise TypeError(
-            f"{what} is not a GPU tensor gpu_serde carries (it is on {where}): it has no GPU to "
-            "send work to"
-        )
-    return _local_uuid(m.device_of(obj), what)
+    sharing = sys.modules.get("gpu_serde.tensors.sharing")  # a Shared exists only once it is
+    if sharing is not None and isinstance(obj, sharing.Shared):
+        return _local_uuid(obj.ordinal, f"this shared {obj.library} object")
+    torch, cupy = sys.modules.get("torch"), sys.modules.get("cupy")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        device = obj.device
+        if device.type != "cuda":
+            raise TypeError(
+                f"this {type(obj).__name__} is on {device}, not a CUDA GPU: it has no GPU to "
+                "send work to"
+            )
+        return _local_uuid(int(device.index), f"this {type(obj).__name__}")
+    if cupy is not None and isinstance(obj, cupy.ndarray):
+        return _local_uuid(int(obj.device.id), "this cupy.ndarray")
+    return None
 
 
 def _local_uuid(ordinal: int, what: str) -> str:
@@ -116,7 +117,7 @@ def _one_uuid(obj: Any) -> str:
         if not obj.is_device_accessible or obj.device_id < 0:
             raise TypeError(f"{what} is host memory: it has no GPU to send work to")
         return _local_uuid(obj.device_id, what)
-    tensor = _tensor_uuid(obj) if type(obj).__module__.startswith(_LIBRARIES) else None
+    tensor = _tensor_uuid(obj)
     if tensor is not None:
         return tensor
     if isinstance(obj, bool | int):

@@ -205,6 +205,9 @@ def test_a_ray_address_that_is_none_is_one_line_at_once(address, says):
         ("tcp://127.0.0.1:8786\n", "no spaces, line breaks or control characters"),
         ("tls://127.0.0.1:8786", "tls:// needs TLS settings (certificates)"),
         ("ray://127.0.0.1:10001", "ray:// is not a Dask scheduler's address"),
+        ("inproc://x", "inproc:// is a scheduler inside one process"),
+        ("[::1]:99999", "the port must be a number from 1 to 65535, not '99999'"),
+        ("[::1", "an IPv6 address is written [host]:port"),
     ],
 )
 def test_a_scheduler_address_the_doctor_cannot_use_is_one_line_at_once(address, says):
@@ -226,6 +229,14 @@ def test_a_negative_expect_is_refused_by_the_parser():
     done = gpu_serde_cli("doctor", "--scheduler", "tcp://127.0.0.1:9", "--expect", "-1")
     assert done.returncode == 2
     assert "must be 0 or more" in done.stderr
+
+
+def test_an_engines_long_decimals_are_rounded_and_addresses_kept():
+    from gpu_serde.tools.cli import _LONG_SECONDS
+
+    said = "Timed out trying to connect to tcp://10.100.0.1:8786 after 2.9999862929980736 s"
+    got = _LONG_SECONDS.sub(lambda m: f"{float(m.group()):.1f}", said)
+    assert got == "Timed out trying to connect to tcp://10.100.0.1:8786 after 3.0 s"
 
 
 def test_an_expect_that_is_no_number_says_what_it_takes():

@@ -339,3 +339,38 @@ def test_a_tensor_placeholder_used_as_a_tensor_raises_its_reason_and_says_where_
     x = wire.tval(tval())
     with pytest.raises(DeviceNotVisibleError, match=r"place\(x, 'cpu'\)"):
         use(x)
+
+
+# ---- routing by what arrived: the GPU a tensor was sent from ---------------------------------
+
+
+@pytest.mark.parametrize("kind", ["tval", "tshr", "tipc"])
+def test_a_tensor_placeholder_names_for_routing_the_gpu_it_was_sent_from(installed, kind):
+    from gpu_serde.routing import target_uuid
+
+    got = getattr(wire, kind)({"tval": tval, "tshr": tshr, "tipc": tipc}[kind]())
+    assert isinstance(got, UnresolvedObject)  # the GPU is not visible here
+    assert target_uuid(got) == gpu_serde.canonical_uuid(bytes(range(16)).hex())
+
+
+def test_a_tensor_placeholder_for_another_reason_is_routed_by_nobody(installed):
+    from gpu_serde.errors import ExporterGoneError
+    from gpu_serde.routing import target_uuid
+
+    gone = UnresolvedObject("shared torch.Tensor", wire.tshr, (tshr(),), ExporterGoneError("gone"))
+    with pytest.raises(ExporterGoneError, match="gone"):
+        target_uuid(gone)
+    two_args = wire.tval(tval(), "extra")  # malformed: it says so, wherever it is routed
+    with pytest.raises(PayloadError):
+        target_uuid(two_args)
+
+
+def test_what_is_not_a_tensor_from_torch_is_the_plain_type_error(installed):
+    torch = pytest.importorskip("torch", reason="torch's objects")
+    from gpu_serde.routing import target_uuid
+
+    for obj in (torch.device("cuda", 1), torch.nn.Linear(2, 2), torch.float32):
+        with pytest.raises(TypeError, match=r"on\(\) takes"):
+            target_uuid(obj)
+    with pytest.raises(TypeError, match="is on meta, not a CUDA GPU"):
+        target_uuid(torch.empty(2, device="meta"))

@@ -158,11 +158,11 @@ def test_place_on_what_names_no_device_is_a_type_error(device):
         gpu_serde.tensors.place(CASES["contiguous"], device)
 
 
-@pytest.mark.parametrize("device", ["meta", "xpu", "mps:0"])
-def test_place_on_a_device_that_is_neither_cpu_nor_cuda_is_a_type_error(installed, device):
+@pytest.mark.parametrize("device", ["meta", torch.device("meta")])
+def test_place_on_the_meta_device_is_a_type_error(installed, device):
     # "meta" would give a tensor without the bytes that came: nothing is lost without a word
     for x in (CASES["contiguous"], wire.tval(cpu_payload(torch.zeros(2, 2)))):
-        with pytest.raises(TypeError, match=f"not a {device.split(':')[0]!r} device"):
+        with pytest.raises(TypeError, match="a 'meta' device keeps no bytes"):
             gpu_serde.tensors.place(x, device)
 
 

@@ -115,7 +115,9 @@ def on(device: Any, client: Any = None, *, exclusive: bool = True) -> dict[str, 
 
     ``client.submit(f, dev, **gpu_serde.dask.on(dev))``. The GPU is found by UUID, so ``dev``
     may be a Device of this process, a placeholder for a GPU only the workers see, a device
-    memory resource, a buffer, or a list of them on one GPU.
+    memory resource, a buffer, a CUDA torch tensor or CuPy array (or what ``gpu_serde.share``
+    made of one, or the placeholder of one sent from a GPU not seen here), or a list of them on
+    one GPU.
 
     Args:
         device: what the work is for (see :func:`gpu_serde.routing.target_uuid`).
@@ -130,8 +132,8 @@ def on(device: Any, client: Any = None, *, exclusive: bool = True) -> dict[str, 
 
     Raises:
         DeviceNotVisibleError: no worker sees that GPU; the message lists every worker's GPUs.
-            (Also the reason of a placeholder passed as ``device``, which names no Device here:
-            as :func:`gpu_serde.routing.target_uuid`.)
+            (Also the reason of a memory placeholder passed as ``device``: as
+            :func:`gpu_serde.routing.target_uuid`.)
         TypeError, PlacementError: ``device`` is not one of those, or names several GPUs;
             ``client`` is asynchronous (TypeError).
         ValueError: no ``client`` was given and this process has none.

@@ -156,7 +156,9 @@ def on(
 
     Args:
         device: what the work is for: a Device, a placeholder, a device memory resource, a
-            buffer, or a list of them on one GPU (:func:`gpu_serde.routing.target_uuid`).
+            buffer, a CUDA torch tensor or CuPy array (or what ``gpu_serde.share`` made of one,
+            or the placeholder of one sent from a GPU not seen here), or a list of them on one
+            GPU (:func:`gpu_serde.routing.target_uuid`).
         runtime_env: the task's own runtime_env, to merge the GPU's ``env_vars`` into.
         exclusive: also hold ``resources={"gpu_serde:<uuid>": 1}``, so that one routed task at
             a time uses the GPU; the node must declare that resource (``ray start --resources``).
@@ -168,8 +170,8 @@ def on(
 
     Raises:
         DeviceNotVisibleError: no alive node sees that GPU; the message lists every node's GPUs.
-            (Also the reason of a placeholder passed as ``device``, which names no Device here:
-            as :func:`gpu_serde.routing.target_uuid`.)
+            (Also the reason of a memory placeholder passed as ``device``: as
+            :func:`gpu_serde.routing.target_uuid`.)
         PlacementError: ``exclusive`` and the node declares no resource for the GPU, or
             ``runtime_env`` sets ``CUDA_VISIBLE_DEVICES`` to something else.
         TypeError: ``device`` is not one of those; ``runtime_env`` is not a dict.

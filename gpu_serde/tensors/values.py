@@ -80,7 +80,7 @@ def place(x: Any, device: Any) -> Any:
     object: place a state dict's entries one by one.
 
     Raises:
-        TypeError: ``x`` is none of those, or ``device`` is not the CPU or a CUDA GPU.
+        TypeError: ``x`` is none of those, or ``device`` is ``"meta"`` (no bytes).
         DeviceNotVisibleError, OtherHostError, PayloadError, HandoffError: ``x`` is a
             placeholder of something that carries no bytes (shared memory, torch's own IPC) or
             of a malformed payload: its own reason; only the GPU it names can use it.
@@ -116,8 +116,7 @@ def _torch_device(torch: Any, device: Any) -> Any:
     """``device`` as a ``torch.device`` that this process's torch can use.
 
     Raises:
-        TypeError: it names no device, or one neither the CPU nor a CUDA GPU (``"meta"`` would
-            keep no bytes).
+        TypeError: it names no device, or ``"meta"`` (which would keep no bytes).
         DeviceNotVisibleError: it is a GPU this process's torch does not see (a CPU build of
             torch, no GPU visible, or an index past the last).
     """
@@ -131,13 +130,13 @@ def _torch_device(torch: Any, device: Any) -> Any:
             "gpu_serde.tensors.place(x, device): device is 'cpu', 'cuda:N', a torch.device or "
             f"a GPU ordinal, not {device!r:.80}"
         ) from None
-    if where.type == "cpu":
-        return where
-    if where.type != "cuda":  # "meta" keeps no bytes; others are not where gpu_serde puts them
+    if where.type == "meta":  # a tensor without the bytes that came: nothing lost unsaid
         raise TypeError(
-            f"gpu_serde.tensors.place(x, {device!r:.80}): device is 'cpu', 'cuda:N', a "
-            f"torch.device of those, or a GPU ordinal, not a {where.type!r} device"
+            f"gpu_serde.tensors.place(x, {device!r:.80}): a 'meta' device keeps no bytes; "
+            "place it on 'cpu', 'cuda:N' or another device that holds memory"
         )
+    if where.type != "cuda":
+        return where
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count and (where.index is None or where.index < count):
         return where

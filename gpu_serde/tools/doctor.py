@@ -174,8 +174,8 @@ def survey_dask(address: str, timeout: float = 30, expect: int = 0) -> Survey:
     Raises:
         OSError: the scheduler cannot be reached within ``timeout``.
         AddressError: ``address`` is not a scheduler's address the doctor can connect to
-            (empty, a port that is not 1 to 65535, TLS, a Ray address, or one distributed
-            cannot parse or has no support for here).
+            (empty, a port that is not 1 to 65535, TLS, ``inproc://``, a Ray address, or one
+            distributed cannot parse or has no support for here).
     """
     from distributed import Client  # the dask extra, optional: doctor --ray needs only Ray
 
@@ -186,11 +186,16 @@ def survey_dask(address: str, timeout: float = 30, expect: int = 0) -> Survey:
     except ValueError as exc:  # "missing port number in address ...", an unknown protocol
         raise AddressError(safe(str(exc))) from None
     except (TypeError, ImportError) as exc:  # ucx:// without UCX support installed here
-        scheme = address.partition("://")[0] if "://" in address else "tcp"
+        scheme = address.partition("://")[0].lower() if "://" in address else "tcp"
+        fix = (
+            ": install its support here (distributed-ucxx), or check through a tcp:// listener "
+            "of the scheduler"
+            if scheme == "ucx"
+            else ""
+        )
         raise AddressError(
             f"distributed here cannot connect over {quoted(scheme)} "
-            f"({type(exc).__name__}: {safe(str(exc))}): install its support (ucx: "
-            "distributed-ucxx), or check through a tcp:// listener of the scheduler"
+            f"({type(exc).__name__}: {safe(str(exc))}){fix}"
         ) from None
     with connected as client:
         if expect:
@@ -318,7 +323,14 @@ def _check_port(host_port: str) -> None:
     Raises:
         AddressError: it is so.
     """
-    host, sep, port = host_port.rstrip("/").rpartition(":")
+    text = host_port.rstrip("/")
+    if text.startswith("["):  # an IPv6 address: [host] or [host]:port
+        inside, bracket, after = text[1:].partition("]")
+        if not bracket or (after and not after.startswith(":")):
+            raise AddressError("an IPv6 address is written [host]:port")
+        host, sep, port = inside, after[:1], after[1:]
+    else:
+        host, sep, port = text.rpartition(":")
     if sep and not (port.isascii() and port.isdecimal() and 1 <= int(port) <= 65535):
         raise AddressError(f"the port must be a number from 1 to 65535, not {quoted(port)}")
     if sep and not host.strip("[]"):
@@ -340,6 +352,11 @@ def _check_dask_address(address: str) -> None:
         raise AddressError(
             f"{scheme}:// needs TLS settings (certificates), which the doctor does not take: "
             "check through a tcp:// listener of the scheduler"
+        )
+    if kind == "inproc":
+        raise AddressError(
+            "inproc:// is a scheduler inside one process, which no other process can reach: "
+            "check a scheduler that listens on tcp://"
         )
     if kind in ("ray", "http", "https"):
         raise AddressError(
