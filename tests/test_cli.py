@@ -175,43 +175,35 @@ def test_an_address_distributed_cannot_parse_is_one_line_with_its_reason():
     assert "missing port number" in line  # distributed's reason
 
 
-@pytest.mark.parametrize(
-    ("address", "says"),
-    [
-        ("127.0.0.1:-5", "the port must be a number from 1 to 65535, not '-5'"),
-        ("127.0.0.1:70000", "the port must be a number from 1 to 65535, not '70000'"),
-        ("127.0.0.1:\u00b2", "the port must be a number from 1 to 65535, not '\u00b2'"),
-        (":6379", "no host before the port"),
-        ("tcp://127.0.0.1:8786", "use --scheduler for Dask"),
-        ("http://127.0.0.1:8265", "http:// is the Ray dashboard's address"),
-        ("", "the address is empty"),
-        ("local", "'local' starts a new Ray cluster in the doctor's own process"),
-        ("127.0.0.1:6379\n", "no spaces, line breaks or control characters"),
-    ],
-)
-def test_a_ray_address_that_is_none_is_one_line_at_once(address, says):
-    done = gpu_serde_cli("doctor", "--ray", address, "--timeout", "5")
-    assert done.returncode == 2
-    (line,) = done.stderr.strip().splitlines()
-    assert line.startswith("gpu-serde: doctor: '") and " is not a cluster's address: " in line
-    assert says in line
+RAY_NONE = [
+    ("127.0.0.1:-5", "the port must be a number from 1 to 65535, not '-5'"),
+    ("127.0.0.1:70000", "the port must be a number from 1 to 65535, not '70000'"),
+    ("127.0.0.1:\u00b2", "the port must be a number from 1 to 65535, not '\u00b2'"),
+    (":6379", "no host before the port"),
+    ("tcp://127.0.0.1:8786", "use --scheduler for Dask"),
+    ("http://127.0.0.1:8265", "http:// is the Ray dashboard's address"),
+    ("", "the address is empty"),
+    ("local", "'local' starts a new Ray cluster in the doctor's own process"),
+    ("127.0.0.1:6379\n", "no spaces, line breaks or control characters"),
+]
+SCHEDULER_NONE = [
+    ("", "the address is empty"),
+    ("tcp://127.0.0.1:99999", "the port must be a number from 1 to 65535, not '99999'"),
+    ("tcp://127.0.0.1:8786\n", "no spaces, line breaks or control characters"),
+    ("tls://127.0.0.1:8786", "tls:// needs TLS settings (certificates)"),
+    ("ray://127.0.0.1:10001", "ray:// is not a Dask scheduler's address"),
+    ("inproc://x", "inproc:// is a scheduler inside one process"),
+    ("[::1]:99999", "the port must be a number from 1 to 65535, not '99999'"),
+    ("[::1", "an IPv6 address is written [host]:port"),
+]
 
 
 @pytest.mark.parametrize(
-    ("address", "says"),
-    [
-        ("", "the address is empty"),
-        ("tcp://127.0.0.1:99999", "the port must be a number from 1 to 65535, not '99999'"),
-        ("tcp://127.0.0.1:8786\n", "no spaces, line breaks or control characters"),
-        ("tls://127.0.0.1:8786", "tls:// needs TLS settings (certificates)"),
-        ("ray://127.0.0.1:10001", "ray:// is not a Dask scheduler's address"),
-        ("inproc://x", "inproc:// is a scheduler inside one process"),
-        ("[::1]:99999", "the port must be a number from 1 to 65535, not '99999'"),
-        ("[::1", "an IPv6 address is written [host]:port"),
-    ],
+    ("flag", "address", "says"),
+    [("--ray", *case) for case in RAY_NONE] + [("--scheduler", *case) for case in SCHEDULER_NONE],
 )
-def test_a_scheduler_address_the_doctor_cannot_use_is_one_line_at_once(address, says):
-    done = gpu_serde_cli("doctor", "--scheduler", address, "--timeout", "30")
+def test_an_address_the_doctor_cannot_use_is_one_line_at_once(flag, address, says):
+    done = gpu_serde_cli("doctor", flag, address, "--timeout", "30")
     assert done.returncode == 2
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("gpu-serde: doctor: '") and " is not a cluster's address: " in line
