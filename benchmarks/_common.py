@@ -171,13 +171,18 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
 
 
 def rounds_args(
-    doc: str | None, rounds: tuple[int, str], per_round: tuple[int, str]
+    doc: str | None,
+    rounds: tuple[int, str],
+    per_round: tuple[int, str],
+    more: Callable[[argparse.ArgumentParser], object] | None = None,
 ) -> argparse.Namespace:
     """The arguments of a benchmark run in rounds: ``--json``, ``--rounds`` and ``--per-round``
-    (each ``(default, help)``), both checked to be positive."""
+    (each ``(default, help)``), both checked to be positive, and what ``more`` adds."""
     p = parser(doc)
     p.add_argument("--rounds", type=int, default=rounds[0], help=rounds[1])
     p.add_argument("--per-round", type=int, default=per_round[0], help=per_round[1])
+    if more is not None:
+        more(p)
     args = p.parse_args()
     if args.rounds < 1 or args.per_round < 1:
         p.error("--rounds and --per-round take a positive number")
