@@ -179,22 +179,21 @@ def survey_dask(address: str, timeout: float = 30, expect: int = 0) -> Survey:
     """
     from distributed import Client  # the dask extra, optional: doctor --ray needs only Ray
 
-    _check_dask_address(address)
+    kind = _check_dask_address(address)
     left = _check_refused(address, timeout)
     try:
         connected = Client(address, timeout=left)
     except ValueError as exc:  # "missing port number in address ...", an unknown protocol
         raise AddressError(safe(str(exc))) from None
     except (TypeError, ImportError) as exc:  # ucx:// without UCX support installed here
-        scheme = address.partition("://")[0].lower() if "://" in address else "tcp"
         fix = (
             ": install its support here (distributed-ucxx), or check through a tcp:// listener "
             "of the scheduler"
-            if scheme == "ucx"
+            if kind == "ucx"
             else ""
         )
         raise AddressError(
-            f"distributed here cannot connect over {quoted(scheme)} "
+            f"distributed here cannot connect over {quoted(kind)} "
             f"({type(exc).__name__}: {safe(str(exc))}){fix}"
         ) from None
     with connected as client:
@@ -337,9 +336,10 @@ def _check_port(host_port: str) -> None:
         raise AddressError("no host before the port")
 
 
-def _check_dask_address(address: str) -> None:
+def _check_dask_address(address: str) -> str:
     """Refuse at once what the doctor cannot connect to as a Dask scheduler (distributed would
-    time out, or fail with an error about its own classes).
+    time out, or fail with an error about its own classes); return its scheme, lower case
+    (``tcp`` where it names none).
 
     Raises:
         AddressError: an empty address, control characters, a port that is not 1 to 65535, a
@@ -365,6 +365,7 @@ def _check_dask_address(address: str) -> None:
         )
     if kind in ("tcp", "ucx", "ws"):
         _check_port(rest if sep else address)
+    return kind
 
 
 def _check_refused(address: str, timeout: float) -> float:
