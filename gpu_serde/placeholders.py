@@ -230,9 +230,20 @@ def _name(kind: Kind, args: tuple[Any, ...]) -> str:
     return kind.name
 
 
+#: What a forwarder's placeholder raises when used (:func:`gpu_serde.registry.forward_only`).
+_FORWARDED = HandoffError(
+    "this process only forwards gpu_serde objects (a Dask scheduler started by the dask CLI "
+    "with gpu_serde preloaded): it passes them on as they came and uses none; use it in a "
+    "worker or the client"
+)
+
+
 def rebuild(reconstructor: Reconstructor, args: tuple[Any, ...]) -> Any:
     """Run ``reconstructor``'s body on ``args`` under the one guard; never raises except under
     ``install(strict=True)`` (then: the typed error)."""
+    if flags.forward_only:  # passed on as it came, never used here (a Dask scheduler)
+        kind = _kinds.get(reconstructor) or Kind("gpu_serde object", lambda p: None, PayloadError)
+        return UnresolvedObject(_name(kind, args), reconstructor, args, _FORWARDED)
     try:
         if len(args) == 1:
             return _kinds[reconstructor].body(args[0])  # KeyError: nothing defined (a bug)

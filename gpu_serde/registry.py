@@ -5,9 +5,10 @@ all); :func:`install` registers each with :mod:`copyreg` (stdlib pickle, cloudpi
 and with :mod:`multiprocessing`'s ``ForkingPickler`` (replacing cuda.core's own ordinal-based
 reducers while installed), and :func:`uninstall` puts back what was there before.
 
-It also holds this process's two :data:`flags`: ``strict`` (a payload that cannot be rebuilt
-raises at unpickling instead of giving a placeholder) and ``auto_install`` (receiving a Device
-installs gpu_serde here, until :func:`uninstall` or :func:`install` is called by hand).
+It also holds this process's :data:`flags`: ``strict`` (a payload that cannot be rebuilt
+raises at unpickling instead of giving a placeholder), ``auto_install`` (receiving a Device
+installs gpu_serde here, until :func:`uninstall` or :func:`install` is called by hand) and
+``forward_only`` (:func:`forward_only`: a process that passes objects on without using them).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ _reducers: dict[type, Reducer] = {}
 _mp_reducers: dict[type, Reducer] = {}  # where multiprocessing's table takes another reducer
 _saved: dict[tuple[str, type], Reducer | None] = {}
 _installed = False
+_forward: Reducer | None = None  # forward_only()'s reducer for every type
 
 
 class Flags:
@@ -36,6 +38,8 @@ class Flags:
     strict = False
     #: Receiving a gpu_serde Device installs the reducers here (cleared by install()/uninstall()).
     auto_install = True
+    #: Payloads pass through unrebuilt and live objects pickle as an error (:func:`forward_only`).
+    forward_only = False
 
 
 flags = Flags()
@@ -69,7 +73,29 @@ def _tables() -> dict[str, dict[type, Any]]:
 def _apply(cls: type, reducer: Reducer) -> None:
     for name, table in _tables().items():
         _saved.setdefault((name, cls), table.get(cls))
-        table[cls] = _mp_reducers.get(cls, reducer) if name == "mp" else reducer
+        if _forward is not None:
+            table[cls] = _forward
+        else:
+            table[cls] = _mp_reducers.get(cls, reducer) if name == "mp" else reducer
+
+
+def forward_only(reducer: Reducer) -> None:
+    """Make this process a forwarder for good (a Dask scheduler: it unpickles task arguments
+    only to pickle them again): install gpu_serde, rebuild no payload (each becomes a
+    placeholder that pickles again exactly as it came) and pickle every handled type that is
+    live here through ``reducer`` instead of its own. A live object can only have come by
+    another way than gpu_serde's (cuda.core's or torch's own pickle, by ordinal): ``reducer``
+    sends it on as an error, raised where it is used. Types registered later get ``reducer``
+    too; :func:`uninstall` puts back what was there before gpu_serde.
+    """
+    global _forward, _installed
+    with _lock:
+        _forward = reducer
+        flags.forward_only = True
+        for cls in _reducers:
+            _apply(cls, reducer)
+        _installed = True
+    flags.auto_install = False
 
 
 def saved(table: str, cls: type) -> Reducer | None:
@@ -132,9 +158,10 @@ def uninstall() -> None:
     Raises:
         CompatibilityError: this Python's multiprocessing lacks the table gpu_serde registered in.
     """
-    global _installed
-    flags.strict, flags.auto_install = False, False
+    global _installed, _forward
+    flags.strict, flags.auto_install, flags.forward_only = False, False, False
     with _lock:
+        _forward = None
         if not _installed:
             return
         tables = _tables()

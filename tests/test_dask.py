@@ -329,3 +329,47 @@ def test_the_host_table_forgets_a_worker_that_is_killed(simulated_gpus, start):
         assert victim not in table  # gone with the worker: no entry, not a None
         assert set(workers) <= set(table) and len(workers) == 2  # its replacement joined
         assert all(isinstance(v, str) for v in table.values())
+
+
+# ---- a `dask scheduler` that has a CUDA driver and sees the GPUs in another order ----
+@pytest.fixture(scope="module")
+def scheduler_with_gpus(simulated_gpus):
+    """A CLI cluster whose scheduler preloads gpu_serde and sees every GPU, in reverse (its
+    ordinal 0 is this process's last GPU), with one worker that sees them rotated by one."""
+    uuids = [g.uuid for g in simulated_gpus]
+    env = with_tests_importable(dict(os.environ))
+    reverse = dict(env, CUDA_VISIBLE_DEVICES=",".join(reversed(uuids)))
+    with dask_cli_cluster(
+        {"w1": ",".join(uuids[1:] + uuids[:1])}, env=env, scheduler_env=reverse
+    ) as address:
+        client = Client(address, timeout=60)
+        try:
+            client.wait_for_workers(1, timeout=120)
+            yield client, uuids
+        finally:
+            client.close()
+            gpu_serde.install()
+
+
+@pytest.mark.slow
+def test_a_scheduler_that_sees_gpus_forwards_a_device_to_the_same_gpu(scheduler_with_gpus):
+    client, uuids = scheduler_with_gpus
+    gpu_serde.install()
+    got = client.submit(where, Device(0), pure=False).result(timeout=60)
+    assert got == (local_ordinal("w1", uuids[0], uuids), uuids[0][4:])
+
+
+@pytest.mark.slow
+def test_a_device_sent_by_ordinal_through_a_scheduler_that_sees_gpus_is_a_typed_error(
+    scheduler_with_gpus,
+):
+    """A client without gpu_serde pickles Device(0) by its ordinal; the scheduler, whose
+    ordinal 0 is another GPU, does not make it that GPU: the worker's use raises why."""
+    client, _ = scheduler_with_gpus
+    gpu_serde.uninstall()
+    future = client.submit(where, Device(0), pure=False)
+    with pytest.raises(gpu_serde.HandoffError, match=r"without gpu_serde.*register\(client\)"):
+        future.result(timeout=60)
+    gpu_serde.install()
+    info = client.scheduler_info(n_workers=-1)["workers"]
+    assert_still_serving(client, {w["name"]: a for a, w in info.items()})

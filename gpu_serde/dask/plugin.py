@@ -2,13 +2,17 @@
 (:func:`dask_setup`); and Devices, buffers and pools tokenized without an ordinal.
 
 The scheduler needs gpu_serde installed (it unpickles and re-pickles task arguments) but no GPU
-and no CUDA driver.
+and no CUDA driver. A ``dask scheduler`` that preloads gpu_serde only forwards: it rebuilds no
+payload, and a live CUDA object in a task argument (pickled by its ordinal, by a client without
+gpu_serde) reaches the worker as a ``HandoffError`` that says so, never as the scheduler's GPU of
+that number.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import uuid
 import weakref
 from collections.abc import Awaitable, Callable
@@ -22,9 +26,11 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from gpu_serde.dask import hosts
 from gpu_serde.dask import serializers as _serializers  # noqa: F401  (registers the Buffer's)
 from gpu_serde.dask.placement import publish
+from gpu_serde.errors import HandoffError
 from gpu_serde.identity import uuid_bytes
 from gpu_serde.inventory import inventory, set_role, uuid_of
-from gpu_serde.registry import ensure_installed
+from gpu_serde.memory.unsent import unsent
+from gpu_serde.registry import ensure_installed, forward_only
 
 logger = logging.getLogger("gpu_serde.dask")
 
@@ -150,4 +156,27 @@ async def dask_setup(service: Any) -> None:
     ensure_installed("Dask")
     set_role(f"dask {type(service).__name__.lower()} {getattr(service, 'address', '')}")
     if isinstance(service, Scheduler):
+        if _scheduler_alone():
+            forward_only(_sent_by_ordinal)
         service.add_plugin(hosts.HostTablePlugin(), idempotent=True)
+
+
+def _scheduler_alone() -> bool:
+    """True in a process the ``dask scheduler`` CLI started (it runs a scheduler and nothing
+    else); not where a scheduler shares a process with a client (``LocalCluster``)."""
+    return "distributed.cli.dask_scheduler" in sys.modules
+
+
+def _sent_by_ordinal(obj: object) -> tuple[Any, ...]:
+    """A forwarding scheduler's reducer for a live CUDA object: only cuda.core's or torch's own
+    pickle (by ordinal) makes one here. It travels on as the error."""
+    what = type(obj).__name__
+    return unsent(
+        what,
+        HandoffError(
+            f"a {what} reached the Dask scheduler pickled by its CUDA ordinal, without "
+            "gpu_serde (the sender had not installed it), and an ordinal names another GPU "
+            "in each process. Install gpu_serde where it is sent from (gpu_serde.dask."
+            "register(client), or the client preload in docs/deployment.md) and send it again"
+        ),
+    )
