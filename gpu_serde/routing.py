@@ -16,14 +16,16 @@ from cuda.core import Buffer, Device, MemoryResource
 
 from gpu_serde.errors import DeviceNotVisibleError, OtherHostError, PlacementError
 from gpu_serde.format.device import decode_device
+from gpu_serde.identity import canonical_uuid
 from gpu_serde.inventory import inventory
 from gpu_serde.placeholders import UnresolvedDevice, UnresolvedObject, placeholder_uuid
+from gpu_serde.text import quoted
 
 ACCEPTED = (
-    "a cuda.core Device, a gpu_serde.UnresolvedDevice placeholder, a device memory resource "
-    "(DeviceMemoryResource, VirtualMemoryResource, ArenaMemoryResource), a Buffer from one, a "
-    "CUDA torch tensor or CuPy array (or what gpu_serde.share made of one, or a placeholder of "
-    "one sent from a GPU not seen here), or a list or tuple of them"
+    "a GPU's UUID ('GPU-...'), a cuda.core Device, a gpu_serde.UnresolvedDevice placeholder, a "
+    "device memory resource (DeviceMemoryResource, VirtualMemoryResource, ArenaMemoryResource), "
+    "a Buffer from one, a CUDA torch tensor or CuPy array (or what gpu_serde.share made of one, "
+    "or a placeholder of one sent from a GPU not seen here), or a list or tuple of them"
 )
 
 #: The rebuilds of tensors and arrays whose placeholder names the GPU it was sent from.
@@ -77,6 +79,28 @@ def _tensor_uuid(obj: Any) -> str | None:
     return None
 
 
+def _named_uuid(text: str) -> str:
+    """The canonical form of a GPU named by its UUID (``GPU-...``, ``MIG-...``, or cuda.core's
+    bare hex, as ``Device.uuid`` gives it): no process's numbering is involved.
+
+    Raises:
+        TypeError: ``text`` is no UUID (an ordinal, ``"cuda:1"``): it names another GPU in each
+            process.
+        ValueError: it starts as a UUID does but is not a complete one.
+    """
+    head = text.strip()[:4].upper()
+    try:
+        return canonical_uuid(text)
+    except ValueError as exc:
+        if head in ("GPU-", "MIG-"):
+            raise ValueError(f"on() was given a GPU UUID that is not one: {exc}") from None
+    raise TypeError(
+        f"on() takes a GPU by its UUID ('GPU-' and 32 hex digits, as gpu_serde.visible_devices() "
+        f"and nvidia-smi -L show it), not {quoted(text)}: a string that is not a UUID (an "
+        "ordinal, 'cuda:1') names another GPU in each process"
+    )
+
+
 def _local_uuid(ordinal: int, what: str) -> str:
     """The canonical UUID of this process's CUDA device ``ordinal``."""
     inv = inventory()
@@ -117,6 +141,8 @@ def _one_uuid(obj: Any) -> str:
         if not obj.is_device_accessible or obj.device_id < 0:
             raise TypeError(f"{what} is host memory: it has no GPU to send work to")
         return _local_uuid(obj.device_id, what)
+    if isinstance(obj, str):
+        return _named_uuid(obj)
     tensor = _tensor_uuid(obj)
     if tensor is not None:
         return tensor
@@ -144,8 +170,10 @@ def target_uuid(obj: Any) -> str:
     """Return the canonical UUID (``GPU-...``/``MIG-...``) of the GPU that ``obj`` lives on.
 
     Args:
-        obj: a ``cuda.core.Device`` (of this process), an :class:`~gpu_serde.UnresolvedDevice`
-            (a Device whose GPU this process cannot see), a device memory resource
+        obj: a GPU's UUID (a str: ``GPU-...``, ``MIG-...``, or cuda.core's bare hex as
+            ``Device.uuid`` gives it), a ``cuda.core.Device`` (of this process), an
+            :class:`~gpu_serde.UnresolvedDevice` (a Device whose GPU this process cannot see),
+            a device memory resource
             (``mr.device_id``), a ``Buffer`` (its memory resource's device), a CUDA torch
             tensor or CuPy array (its device), what :func:`gpu_serde.share` made of one, a
             placeholder of a tensor or array sent by value or shared from a GPU this process
@@ -153,9 +181,10 @@ def target_uuid(obj: Any) -> str:
             on one GPU.
 
     Raises:
-        TypeError: ``obj`` is none of those (an int ordinal included), or is host memory (a
-            CPU tensor too).
-        ValueError: ``obj`` is a closed ``Buffer``.
+        TypeError: ``obj`` is none of those (an int ordinal or another str included), or is
+            host memory (a CPU tensor too).
+        ValueError: ``obj`` is a closed ``Buffer``, or a str that starts as a UUID does but is
+            not a complete one.
         PlacementError: a list is empty, or holds objects on different GPUs.
         DeviceNotVisibleError: a Device or memory names an ordinal this process does not see.
         DeviceNotVisibleError, PayloadError, HandoffError: ``obj`` is an

@@ -180,10 +180,21 @@ def test_a_list_on_one_gpu_routes_and_one_on_two_gpus_raises(dask_cluster):
         gpu_serde.dask.on([])
 
 
-@pytest.mark.parametrize("bad", [1, "GPU-0", None, object()])
+@pytest.mark.parametrize("bad", [1, "cuda:1", "1", None, object()])
 def test_anything_else_is_a_type_error(dask_cluster, bad):
     with pytest.raises(TypeError, match="on\\(\\) takes"):
         gpu_serde.dask.on(bad)
+
+
+def test_a_gpu_named_by_its_uuid_routes_to_its_owner_and_a_broken_uuid_says_so(dask_cluster):
+    _, _, uuids, _ = dask_cluster
+    want = {"resources": {resource_name(uuids[2]): 1}}
+    for name in (uuids[2], uuids[2].lower(), f" {uuids[2]}", Device(2).uuid):  # bare hex too
+        assert gpu_serde.dask.on(name) == want
+    with pytest.raises(TypeError, match=r"names another GPU in each process"):
+        gpu_serde.dask.on("cuda:1")
+    with pytest.raises(ValueError, match=r"a GPU UUID that is not one: 'GPU-0'"):
+        gpu_serde.dask.on("GPU-0")
 
 
 def test_routing_a_closed_buffer_is_a_value_error_that_says_what_to_route_by(simulated_gpus):

@@ -114,10 +114,10 @@ def on(device: Any, client: Any = None, *, exclusive: bool = True) -> dict[str, 
     worker that sees ``device``'s GPU: the worker that owns it (its device 0) when there is one.
 
     ``client.submit(f, dev, **gpu_serde.dask.on(dev))``. The GPU is found by UUID, so ``dev``
-    may be a Device of this process, a placeholder for a GPU only the workers see, a device
-    memory resource, a buffer, a CUDA torch tensor or CuPy array (or what ``gpu_serde.share``
-    made of one, or the placeholder of one sent from a GPU not seen here), or a list of them on
-    one GPU.
+    may be the UUID itself (``"GPU-..."``), a Device of this process, a placeholder for a GPU only
+    the workers see, a device memory resource, a buffer, a CUDA torch tensor or CuPy array (or what
+    ``gpu_serde.share`` made of one, or the placeholder of one sent from a GPU not seen here), or a
+    list of them on one GPU.
 
     Args:
         device: what the work is for (see :func:`gpu_serde.routing.target_uuid`).

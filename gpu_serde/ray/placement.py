@@ -155,10 +155,10 @@ def on(
     ``env_vars`` choose the GPU (see the module docstring for what Ray guarantees and what not).
 
     Args:
-        device: what the work is for: a Device, a placeholder, a device memory resource, a
-            buffer, a CUDA torch tensor or CuPy array (or what ``gpu_serde.share`` made of one,
-            or the placeholder of one sent from a GPU not seen here), or a list of them on one
-            GPU (:func:`gpu_serde.routing.target_uuid`).
+        device: what the work is for: a GPU's UUID (``"GPU-..."``), a Device, a placeholder, a
+            device memory resource, a buffer, a CUDA torch tensor or CuPy array (or what
+            ``gpu_serde.share`` made of one, or the placeholder of one sent from a GPU not seen
+            here), or a list of them on one GPU (:func:`gpu_serde.routing.target_uuid`).
         runtime_env: the task's own runtime_env, to merge the GPU's ``env_vars`` into.
         exclusive: also hold ``resources={"gpu_serde:<uuid>": 1}``, so that one routed task at
             a time uses the GPU; the node must declare that resource (``ray start --resources``).
