@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import socket
 import threading
 from dataclasses import dataclass, field
@@ -63,14 +64,15 @@ class Inventory:
                 f"  {d.ordinal}  {d.uuid}  {safe(d.name)}  {safe(d.pci_bus_id) or '-'}"
                 for d in self.devices
             ]
-            named = [e for e in (self.cuda_visible_devices or "").split(",") if e.strip()]
+            given = self.cuda_visible_devices or ""
+            named = given.split(",") if given.strip() else []  # an empty entry counts: it stops
             if len(named) > len(self.devices) and not any(
                 e.strip().startswith("MIG-") for e in named
             ):
                 lines.append(
                     f"note: CUDA_VISIBLE_DEVICES names {len(named)} entries and CUDA took "
                     f"{len(self.devices)}: it stops at the first entry that names no GPU here "
-                    "(an ordinal out of range, an unknown UUID) or one named before"
+                    "(an ordinal out of range, an unknown UUID, an empty one) or one named before"
                 )
         else:
             lines.append(f"this process sees no GPU: {safe(self.reason)}")
@@ -100,24 +102,36 @@ def _is_simulated() -> bool:
     return hasattr(lib, "gpu_serde_simulated_driver")
 
 
+_BARE_UUID = re.compile(r"[0-9a-fA-F]{8}(-?[0-9a-fA-F]{4}){3}-?[0-9a-fA-F]{12}")
+
+
+def _bare_uuid_hint(cvd: str) -> str:
+    """A hint for the first entry of ``cvd`` that is a UUID without its ``GPU-`` prefix (which
+    CUDA reads as no GPU), else ''."""
+    first = cvd.split(",")[0].strip()
+    if not _BARE_UUID.fullmatch(first):
+        return ""
+    return f": {first!r} is a UUID without its 'GPU-' prefix; write 'GPU-{first}'"
+
+
 def _enumerate() -> Inventory:
     cvd = cuda_visible_devices()
     host, pid = _hostname(), os.getpid()
 
-    def empty(reason: str) -> Inventory:
-        return Inventory((), reason, cvd, host, pid)
+    def empty(reason: str, loaded: bool = True) -> Inventory:
+        return Inventory((), reason, cvd, host, pid, loaded and _is_simulated())
 
     try:
         (err,) = driver.cuInit(0)
     except RuntimeError as exc:  # cuda.pathfinder's DynamicLibNotFoundError
-        return empty(f"no CUDA driver (libcuda.so.1 not found: {exc})")
+        return empty(f"no CUDA driver (libcuda.so.1 not found: {exc})", loaded=False)
     if err == driver.CUresult.CUDA_ERROR_NO_DEVICE:
         if cvd is not None and cvd.strip() == "":
             return empty("CUDA_VISIBLE_DEVICES is empty, so CUDA hides every GPU")
         if cvd is not None:
             return empty(
                 f"CUDA_ERROR_NO_DEVICE: CUDA_VISIBLE_DEVICES={cvd!r} selects no GPU on this host "
-                "(CUDA stops at the first entry that names no GPU)"
+                f"(CUDA stops at the first entry that names no GPU){_bare_uuid_hint(cvd)}"
             )
         return empty("CUDA_ERROR_NO_DEVICE: the driver finds no GPU on this host")
     if err != driver.CUresult.CUDA_SUCCESS:

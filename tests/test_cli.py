@@ -49,7 +49,7 @@ def test_devices_json_lists_this_process_gpus_by_uuid(sim_env, simulated_gpus):
     assert doc["simulated"] is True
 
 
-@pytest.mark.parametrize("visible", ["0,7,1", "1,1,2"])
+@pytest.mark.parametrize("visible", ["0,7,1", "1,1,2", "0,,1"])
 def test_devices_says_when_cuda_took_fewer_gpus_than_the_variable_names(sim_env, visible):
     done = subprocess.run(
         [sys.executable, "-m", "gpu_serde", "devices"],
@@ -60,6 +60,41 @@ def test_devices_says_when_cuda_took_fewer_gpus_than_the_variable_names(sim_env,
     )
     assert "this process sees 1 GPU(s)" in done.stdout
     assert "note: CUDA_VISIBLE_DEVICES names 3 entries and CUDA took 1" in done.stdout
+
+
+def test_a_uuid_without_its_prefix_is_said_and_the_driver_still_reads_as_simulated(
+    sim_env, simulated_gpus
+):
+    bare = simulated_gpus[1].uuid.removeprefix("GPU-")
+    done = subprocess.run(
+        [sys.executable, "-m", "gpu_serde", "devices", "--json"],
+        env=sim_env(bare),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    doc = json.loads(done.stdout)
+    assert doc["devices"] == [] and doc["simulated"] is True
+    assert f"is a UUID without its 'GPU-' prefix; write 'GPU-{bare}'" in doc["reason"]
+
+
+def test_output_to_a_reader_that_went_away_ends_quietly(sim_env):
+    import os
+
+    reader, writer = os.pipe()
+    os.close(reader)  # `gpu-serde devices --json | head -0`: nobody reads
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "gpu_serde", "devices", "--json"],
+            env=sim_env(),
+            stdout=writer,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(writer)
+    assert (done.returncode, done.stderr) == (141, "")
 
 
 def test_a_missing_engine_is_one_line_naming_the_extra():

@@ -114,6 +114,17 @@ def test_a_pool_that_is_not_ipc_enabled_fails_at_pickling(tier):
         pickle.dumps(plain)
 
 
+def test_a_closed_pool_fails_at_pickling_saying_it_is_closed(tier):
+    gpu_serde.install()
+    d = Device(tier.ordinal)
+    d.set_current()
+    closed = DeviceMemoryResource(d, DeviceMemoryResourceOptions(ipc_enabled=True))
+    closed.close()
+    with pytest.raises(gpu_serde.HandoffError, match="is closed: it has no memory") as caught:
+        pickle.dumps(closed)
+    assert not isinstance(caught.value, gpu_serde.NotIPCEnabledError)
+
+
 def test_a_buffer_reaches_a_child_with_other_cuda_visible_devices_and_is_let_go(
     pool, tier, monkeypatch
 ):

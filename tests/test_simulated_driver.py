@@ -42,7 +42,7 @@ A, B = GPUS[0].uuid, GPUS[1].uuid
 def test_cuda_visible_devices_rules(visible, expected):
     got = run_child(LIST, child_env(GPUS, visible))
     assert got["uuids"] == expected
-    assert got["simulated"] is bool(expected)
+    assert got["simulated"] is True  # the stand-in is loaded, whether it shows a GPU or none
     if not expected:
         assert got["reason"]
 

@@ -78,13 +78,19 @@ def pool_payload(mr: Pool) -> tuple[Any, ...]:
 
     Raises:
         NotIPCEnabledError: the pool is not IPC-enabled, or not a pool gpu_serde sends.
-        HandoffError: this process was forked from the pool's (:func:`lifetime.not_forked`).
+        HandoffError: the pool is closed, or this process was forked from the pool's
+            (:func:`lifetime.not_forked`).
     """
     origin = lifetime.forwarded(mr)
     if origin is not None:
         return origin[1][0]  # type: ignore[no-any-return]
     lifetime.not_forked(type(mr).__name__)
     kind = next((k for k in _FIX if isinstance(mr, k)), None)
+    if kind is not None and getattr(mr, "is_closed", False):  # it reads as not IPC-enabled too
+        raise HandoffError(
+            f"this {type(mr).__name__} is closed: it has no memory left to send (send a pool "
+            "before closing it, and keep it open while what was sent is in use)"
+        )
     if kind is None or not mr.is_ipc_enabled:
         raise NotIPCEnabledError(
             f"this {type(mr).__name__} cannot be sent to another process: "
@@ -114,6 +120,7 @@ def reduce_pool(mr: Pool) -> tuple[Any, ...]:
 
     Raises:
         NotIPCEnabledError: the pool is not IPC-enabled.
+        HandoffError: the pool is closed.
     """
     origin = lifetime.forwarded(mr)
     return origin if origin is not None else (wire.pool, (pool_payload(mr),))
@@ -172,7 +179,10 @@ def _import_once(p: PoolPayload, wire_payload: object, key: tuple[str, bytes]) -
     except Exception as exc:
         with contextlib.suppress(Exception):
             handle.close()
-        raise HandoffError(f"importing the memory pool failed: {exc}") from exc
+        raise HandoffError(
+            f"importing the memory pool failed: {exc} (did its exporter close the pool after "
+            "sending it? A pool must stay open while what was sent from it is in use)"
+        ) from exc
     with lifetime.lock:
         _imported[key] = (mr, wire_payload)
         lifetime.remember(mr, (wire.pool, (wire_payload,)))

@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import re
+import signal
 import sys
 import textwrap
 from collections.abc import Callable
@@ -334,7 +335,15 @@ def main(argv: list[str] | None = None) -> int:
         args.command_line = given[dashes + 1 :]
     func: Callable[[argparse.Namespace], int] = args.func
     try:
-        return func(args)
+        status = func(args)
+        sys.stdout.flush()  # a reader that went away (`| head`) is found here, not at exit
+        return status
+    except BrokenPipeError:
+        # what is left to print has no reader: say nothing more, as a SIGPIPE'd command would
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
     except ModuleNotFoundError as exc:
         top = (exc.name or "").split(".")[0]
         if top not in EXTRAS:
