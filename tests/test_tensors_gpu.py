@@ -644,6 +644,26 @@ def test_a_dask_result_gathered_by_the_client_is_on_the_clients_ordinal_of_the_g
     assert got.cpu().equal(torch.arange(4096, dtype=torch.float32).reshape(64, 64).t())
 
 
+def test_dask_on_routes_a_cuda_tensor_a_shared_tensor_and_a_cupy_array_to_their_gpu(
+    dask_client, gpu
+):
+    from gpu_serde.dask import on
+    from gpu_serde.routing import target_uuid
+
+    ordinal, uuid = gpu
+    x = torch.arange(64, dtype=torch.float32, device=torch.device("cuda", ordinal))
+    y = gpu_serde.tensors.empty((64,), torch.float32, ordinal)
+    y.copy_(x)
+    sent = {"tensor": x, "parameter": torch.nn.Parameter(x.clone()), "shared": gpu_serde.share(y)}
+    cupy = pytest.importorskip("cupy", reason="the CuPy case needs CuPy")
+    with cupy.cuda.Device(ordinal):
+        sent["cupy"] = cupy.arange(64, dtype=cupy.float32)
+    for what, obj in sent.items():
+        assert target_uuid(obj) == uuid, what
+        got = dask_client.submit(describe, obj, pure=False, **on(obj)).result(timeout=300)
+        assert got["uuid"] == uuid, what
+
+
 def test_error_of_reports_what_a_placeholder_raises():
     """The job the no-GPU tests use reports the typed error (a check of the helper itself)."""
     from gpu_serde import wire
