@@ -64,8 +64,9 @@ class Inventory:
                 f"  {d.ordinal}  {d.uuid}  {safe(d.name)}  {safe(d.pci_bus_id) or '-'}"
                 for d in self.devices
             ]
-            given = self.cuda_visible_devices or ""
-            named = given.split(",") if given.strip() else []  # an empty entry counts: it stops
+            # an empty entry counts (CUDA stops there), but not a trailing comma's: it loses none
+            given = (self.cuda_visible_devices or "").rstrip(", \t")
+            named = given.split(",") if given.strip() else []
             if len(named) > len(self.devices) and not any(
                 e.strip().startswith("MIG-") for e in named
             ):

@@ -28,7 +28,9 @@ _reducers: dict[type, Reducer] = {}
 _mp_reducers: dict[type, Reducer] = {}  # where multiprocessing's table takes another reducer
 _saved: dict[tuple[str, type], Reducer | None] = {}
 _installed = False
-_forward: Reducer | None = None  # forward_only()'s reducer for every type
+#: forward_only()'s guard: (object, its type's own reducer) -> what to send
+Guard = Callable[[Any, Reducer], tuple[Any, ...]]
+_forward: Guard | None = None
 
 
 class Flags:
@@ -73,26 +75,33 @@ def _tables() -> dict[str, dict[type, Any]]:
 def _apply(cls: type, reducer: Reducer) -> None:
     for name, table in _tables().items():
         _saved.setdefault((name, cls), table.get(cls))
-        if _forward is not None:
-            table[cls] = _forward
-        else:
-            table[cls] = _mp_reducers.get(cls, reducer) if name == "mp" else reducer
+        own = _mp_reducers.get(cls, reducer) if name == "mp" else reducer
+        table[cls] = own if _forward is None else _guarded(own, _forward)
 
 
-def forward_only(reducer: Reducer) -> None:
+def _guarded(own: Reducer, guard: Guard) -> Reducer:
+    def reduce(obj: Any) -> tuple[Any, ...]:
+        return guard(obj, own)
+
+    return reduce
+
+
+def forward_only(guard: Guard) -> None:
     """Make this process a forwarder for good (a Dask scheduler: it unpickles task arguments
-    only to pickle them again): install gpu_serde, rebuild no payload (each becomes a
-    placeholder that pickles again exactly as it came) and pickle every handled type that is
-    live here through ``reducer`` instead of its own. A live object can only have come by
-    another way than gpu_serde's (cuda.core's or torch's own pickle, by ordinal): ``reducer``
-    sends it on as an error, raised where it is used. Types registered later get ``reducer``
-    too; :func:`uninstall` puts back what was there before gpu_serde.
+    only to pickle them again): install gpu_serde, rebuild no payload here (each becomes a
+    placeholder that pickles again exactly as it came), and pickle a live object of a handled
+    type through ``guard(obj, its type's own reducer)``, which returns what to send. A live
+    object whose own reduction is a gpu_serde payload came here by another way
+    than gpu_serde's (cuda.core's or torch's own pickle, by ordinal): the guard sends it on as
+    an error, raised where it is used; others (a CPU tensor) it passes as they are. Types
+    registered later are guarded too; :func:`uninstall` puts back what was there before
+    gpu_serde.
     """
     global _forward, _installed
     with _lock:
-        _forward = reducer
+        _forward = guard
         flags.forward_only = True
-        for cls in _reducers:
+        for cls, reducer in _reducers.items():
             _apply(cls, reducer)
         _installed = True
     flags.auto_install = False

@@ -16,7 +16,7 @@ from cuda.core import Buffer, Device, MemoryResource
 
 from gpu_serde.errors import DeviceNotVisibleError, OtherHostError, PlacementError
 from gpu_serde.format.device import decode_device
-from gpu_serde.identity import canonical_uuid
+from gpu_serde.identity import canonical_uuid, uuid_bytes
 from gpu_serde.inventory import inventory
 from gpu_serde.placeholders import UnresolvedDevice, UnresolvedObject, placeholder_uuid
 from gpu_serde.text import quoted
@@ -80,25 +80,40 @@ def _tensor_uuid(obj: Any) -> str | None:
 
 
 def _named_uuid(text: str) -> str:
-    """The canonical form of a GPU named by its UUID (``GPU-...``, ``MIG-...``, or cuda.core's
-    bare hex, as ``Device.uuid`` gives it): no process's numbering is involved.
+    """The canonical form of a GPU named by its UUID: ``GPU-...`` or ``MIG-...``, or cuda.core's
+    bare hex (``Device.uuid``) of a GPU this process sees, which says whether it is a MIG
+    instance. No process's numbering is involved.
 
     Raises:
         TypeError: ``text`` is no UUID (an ordinal, ``"cuda:1"``): it names another GPU in each
             process.
-        ValueError: it starts as a UUID does but is not a complete one.
+        ValueError: it starts as a UUID does but is not a complete one, or is bare hex of no
+            GPU this process sees (it cannot tell a GPU from a MIG instance).
     """
     head = text.strip()[:4].upper()
     try:
-        return canonical_uuid(text)
-    except ValueError as exc:
+        canonical = canonical_uuid(text)
+    except ValueError:
         if head in ("GPU-", "MIG-"):
-            raise ValueError(f"on() was given a GPU UUID that is not one: {exc}") from None
-    raise TypeError(
-        f"on() takes a GPU by its UUID ('GPU-' and 32 hex digits, as gpu_serde.visible_devices() "
-        f"and nvidia-smi -L show it), not {quoted(text)}: a string that is not a UUID (an "
-        "ordinal, 'cuda:1') names another GPU in each process"
-    )
+            raise ValueError(
+                f"on() was given {quoted(text)}, which is not a GPU UUID: 'GPU-' or 'MIG-' and "
+                "32 hex digits (8-4-4-4-12)"
+            ) from None
+        raise TypeError(
+            f"on() takes a GPU by its UUID ('GPU-' and 32 hex digits, as "
+            f"gpu_serde.visible_devices() and nvidia-smi -L show it), not {quoted(text)}: a "
+            "string that is not a UUID (an ordinal, 'cuda:1') names another GPU in each process"
+        ) from None
+    if head in ("GPU-", "MIG-"):
+        return canonical
+    inv = inventory()  # bare hex: this process's own GPU (cuda.core's Device.uuid) or nothing
+    ordinal = inv.by_uuid.get(uuid_bytes(canonical))
+    if ordinal is None:
+        raise ValueError(
+            f"on() was given {quoted(text)}, a UUID without its 'GPU-' or 'MIG-' prefix, and "
+            "this process sees no GPU with it: write the UUID with its prefix"
+        )
+    return inv.devices[ordinal].uuid
 
 
 def _local_uuid(ordinal: int, what: str) -> str:
@@ -171,9 +186,9 @@ def target_uuid(obj: Any) -> str:
 
     Args:
         obj: a GPU's UUID (a str: ``GPU-...``, ``MIG-...``, or cuda.core's bare hex as
-            ``Device.uuid`` gives it), a ``cuda.core.Device`` (of this process), an
-            :class:`~gpu_serde.UnresolvedDevice` (a Device whose GPU this process cannot see),
-            a device memory resource
+            ``Device.uuid`` gives it, of a GPU this process sees), a ``cuda.core.Device`` (of
+            this process), an :class:`~gpu_serde.UnresolvedDevice` (a Device whose GPU this
+            process cannot see), a device memory resource
             (``mr.device_id``), a ``Buffer`` (its memory resource's device), a CUDA torch
             tensor or CuPy array (its device), what :func:`gpu_serde.share` made of one, a
             placeholder of a tensor or array sent by value or shared from a GPU this process
@@ -183,8 +198,8 @@ def target_uuid(obj: Any) -> str:
     Raises:
         TypeError: ``obj`` is none of those (an int ordinal or another str included), or is
             host memory (a CPU tensor too).
-        ValueError: ``obj`` is a closed ``Buffer``, or a str that starts as a UUID does but is
-            not a complete one.
+        ValueError: ``obj`` is a closed ``Buffer``, a str that starts as a UUID does but is not
+            a complete one, or bare hex of no GPU this process sees.
         PlacementError: a list is empty, or holds objects on different GPUs.
         DeviceNotVisibleError: a Device or memory names an ordinal this process does not see.
         DeviceNotVisibleError, PayloadError, HandoffError: ``obj`` is an

@@ -62,6 +62,17 @@ def test_devices_says_when_cuda_took_fewer_gpus_than_the_variable_names(sim_env,
     assert "note: CUDA_VISIBLE_DEVICES names 3 entries and CUDA took 1" in done.stdout
 
 
+def test_a_trailing_comma_in_cuda_visible_devices_gets_no_note(sim_env):
+    done = subprocess.run(
+        [sys.executable, "-m", "gpu_serde", "devices"],
+        env=sim_env("0,1,"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "this process sees 2 GPU(s)" in done.stdout and "note:" not in done.stdout
+
+
 def test_a_uuid_without_its_prefix_is_said_and_the_driver_still_reads_as_simulated(
     sim_env, simulated_gpus
 ):

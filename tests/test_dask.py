@@ -335,28 +335,56 @@ def test_the_host_table_forgets_a_worker_that_is_killed(simulated_gpus, start):
 @pytest.fixture(scope="module")
 def scheduler_with_gpus(simulated_gpus):
     """A CLI cluster whose scheduler preloads gpu_serde and sees every GPU, in reverse (its
-    ordinal 0 is this process's last GPU), with one worker that sees them rotated by one."""
+    ordinal 0 is this process's last GPU), with a worker that sees them rotated by one and one
+    that sees none."""
     uuids = [g.uuid for g in simulated_gpus]
     env = with_tests_importable(dict(os.environ))
     reverse = dict(env, CUDA_VISIBLE_DEVICES=",".join(reversed(uuids)))
-    with dask_cli_cluster(
-        {"w1": ",".join(uuids[1:] + uuids[:1])}, env=env, scheduler_env=reverse
-    ) as address:
+    layout = {"w1": ",".join(uuids[1:] + uuids[:1]), "blind": ""}
+    with dask_cli_cluster(layout, env=env, scheduler_env=reverse) as address:
         client = Client(address, timeout=60)
         try:
-            client.wait_for_workers(1, timeout=120)
-            yield client, uuids
+            client.wait_for_workers(2, timeout=120)
+            info = client.scheduler_info(n_workers=-1)["workers"]
+            yield client, {w["name"]: a for a, w in info.items()}, uuids
         finally:
             client.close()
-            gpu_serde.install()
+            gpu_serde.uninstall()
+
+
+def forwards_only(dask_scheduler) -> bool:
+    from gpu_serde.registry import flags
+
+    return flags.forward_only
+
+
+def what_is_wrong(obj) -> str:
+    try:
+        gpu_serde.resolve(obj)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "nothing"
 
 
 @pytest.mark.slow
 def test_a_scheduler_that_sees_gpus_forwards_a_device_to_the_same_gpu(scheduler_with_gpus):
-    client, uuids = scheduler_with_gpus
+    client, workers, uuids = scheduler_with_gpus
     gpu_serde.install()
-    got = client.submit(where, Device(0), pure=False).result(timeout=60)
-    assert got == (local_ordinal("w1", uuids[0], uuids), uuids[0][4:])
+    assert client.run_on_scheduler(forwards_only) is True
+    got = client.submit(where, Device(0), workers=[workers["w1"]], pure=False)
+    assert got.result(timeout=60) == (local_ordinal("w1", uuids[0], uuids), uuids[0][4:])
+
+
+@pytest.mark.slow
+def test_a_scheduler_that_sees_gpus_passes_the_payload_on_as_the_client_made_it(
+    scheduler_with_gpus,
+):
+    """The worker that sees no GPU reads who sent the Device: this process, not the scheduler
+    (a scheduler that rebuilt it would have sent a payload of its own)."""
+    client, workers, _ = scheduler_with_gpus
+    gpu_serde.install()
+    said = client.submit(what_is_wrong, Device(0), workers=[workers["blind"]], pure=False)
+    assert f"pid {os.getpid()}, where it was CUDA device 0" in said.result(timeout=60)
 
 
 @pytest.mark.slow
@@ -365,11 +393,43 @@ def test_a_device_sent_by_ordinal_through_a_scheduler_that_sees_gpus_is_a_typed_
 ):
     """A client without gpu_serde pickles Device(0) by its ordinal; the scheduler, whose
     ordinal 0 is another GPU, does not make it that GPU: the worker's use raises why."""
-    client, _ = scheduler_with_gpus
+    client, workers, _ = scheduler_with_gpus
     gpu_serde.uninstall()
-    future = client.submit(where, Device(0), pure=False)
+    future = client.submit(where, Device(0), workers=[workers["w1"]], pure=False)
     with pytest.raises(gpu_serde.HandoffError, match=r"without gpu_serde.*register\(client\)"):
         future.result(timeout=60)
-    gpu_serde.install()
-    info = client.scheduler_info(n_workers=-1)["workers"]
-    assert_still_serving(client, {w["name"]: a for a, w in info.items()})
+    assert_still_serving(client, workers)
+
+
+def total(x) -> float:
+    return float(x.sum())
+
+
+@pytest.mark.slow
+def test_cpu_tensors_pass_a_forwarding_scheduler_as_torch_pickles_them(scheduler_with_gpus):
+    torch = pytest.importorskip("torch", reason="needs torch")
+    client, workers, _ = scheduler_with_gpus
+    gpu_serde.uninstall()  # a plain client: torch's own pickle reaches the scheduler
+    for x in (torch.arange(4.0), torch.nn.Parameter(torch.ones(3))):
+        assert client.submit(total, x, workers=[workers["w1"]], pure=False).result(60) == float(
+            x.sum()
+        )
+
+
+def test_a_scheduler_in_the_clients_process_that_preloads_gpu_serde_does_not_only_forward(
+    simulated_gpus,
+):
+    """Dask's configuration preloads gpu_serde into a LocalCluster-style scheduler, which runs
+    in this (the client's) process: that process must go on rebuilding what it receives."""
+    with dask.config.set({"distributed.scheduler.preload": ["gpu_serde.dask"]}):
+        cluster = SpecCluster(**spec_cluster_options({"w0": simulated_gpus[1].uuid}))
+    try:
+        assert gpu_serde.inventory.role.startswith("dask scheduler")  # the preload ran here
+        with Client(cluster) as client:
+            gpu_serde.dask.register(client)
+            assert client.run_on_scheduler(forwards_only) is False
+            got = client.submit(lambda d: d, Device(1), pure=False).result(timeout=60)
+            assert isinstance(got, Device) and got.device_id == 1
+    finally:
+        cluster.close()
+        gpu_serde.uninstall()

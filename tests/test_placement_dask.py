@@ -193,8 +193,10 @@ def test_a_gpu_named_by_its_uuid_routes_to_its_owner_and_a_broken_uuid_says_so(d
         assert gpu_serde.dask.on(name) == want
     with pytest.raises(TypeError, match=r"names another GPU in each process"):
         gpu_serde.dask.on("cuda:1")
-    with pytest.raises(ValueError, match=r"a GPU UUID that is not one: 'GPU-0'"):
+    with pytest.raises(ValueError, match=r"given .GPU-0., which is not a GPU UUID"):
         gpu_serde.dask.on("GPU-0")
+    with pytest.raises(ValueError, match=r"without its 'GPU-' or 'MIG-' prefix, and this proc"):
+        gpu_serde.dask.on(OTHER_HOST_GPU.removeprefix("GPU-"))  # bare hex of no GPU here
 
 
 def test_routing_a_closed_buffer_is_a_value_error_that_says_what_to_route_by(simulated_gpus):

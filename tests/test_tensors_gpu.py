@@ -655,9 +655,13 @@ def test_dask_on_routes_a_cuda_tensor_a_shared_tensor_and_a_cupy_array_to_their_
     y = gpu_serde.tensors.empty((64,), torch.float32, ordinal)
     y.copy_(x)
     sent = {"tensor": x, "parameter": torch.nn.Parameter(x.clone()), "shared": gpu_serde.share(y)}
-    cupy = pytest.importorskip("cupy", reason="the CuPy case needs CuPy")
-    with cupy.cuda.Device(ordinal):
-        sent["cupy"] = cupy.arange(64, dtype=cupy.float32)
+    try:
+        import cupy
+    except ImportError:  # CuPy is no extra of gpu_serde's: the torch cases still run
+        cupy = None
+    if cupy is not None:
+        with cupy.cuda.Device(ordinal):
+            sent["cupy"] = cupy.arange(64, dtype=cupy.float32)
     for what, obj in sent.items():
         assert target_uuid(obj) == uuid, what
         got = dask_client.submit(describe, obj, pure=False, **on(obj)).result(timeout=300)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import uuid
 import weakref
 from collections.abc import Awaitable, Callable
@@ -23,6 +22,7 @@ from dask.tokenize import normalize_token
 from distributed import Client, Scheduler, Worker
 from distributed.diagnostics.plugin import WorkerPlugin
 
+from gpu_serde import wire
 from gpu_serde.dask import hosts
 from gpu_serde.dask import serializers as _serializers  # noqa: F401  (registers the Buffer's)
 from gpu_serde.dask.placement import publish
@@ -162,21 +162,36 @@ async def dask_setup(service: Any) -> None:
 
 
 def _scheduler_alone() -> bool:
-    """True in a process the ``dask scheduler`` CLI started (it runs a scheduler and nothing
-    else); not where a scheduler shares a process with a client (``LocalCluster``)."""
-    return "distributed.cli.dask_scheduler" in sys.modules
+    """True in a process that the ``dask scheduler`` command runs (``python -m
+    distributed.cli.dask_scheduler`` too): a scheduler and nothing else. Not where a scheduler
+    shares its process with a client (``LocalCluster``) or a worker (``dask spec``)."""
+    import click  # distributed's command lines are click's
+
+    ctx = click.get_current_context(silent=True)
+    code = getattr(getattr(getattr(ctx, "command", None), "callback", None), "__code__", None)
+    return code is not None and code.co_filename.replace(os.sep, "/").endswith(
+        "distributed/cli/dask_scheduler.py"
+    )
 
 
-def _sent_by_ordinal(obj: object) -> tuple[Any, ...]:
-    """A forwarding scheduler's reducer for a live CUDA object: only cuda.core's or torch's own
-    pickle (by ordinal) makes one here. It travels on as the error."""
+def _sent_by_ordinal(obj: object, own: Callable[[Any], tuple[Any, ...]]) -> tuple[Any, ...]:
+    """A forwarding scheduler's guard (:func:`gpu_serde.registry.forward_only`): a live object
+    whose own reduction is a gpu_serde payload (a Device, GPU memory, a CUDA tensor: only a
+    pickle by ordinal makes one here) travels on as the error; anything else (a CPU tensor) as
+    its reducer made it. Never raises: a scheduler that cannot pickle a task drops workers."""
     what = type(obj).__name__
+    try:
+        reduced = own(obj)
+    except Exception as exc:
+        return unsent(what, exc)
+    if getattr(reduced[0], "__module__", None) != wire.__name__:
+        return reduced
     return unsent(
         what,
         HandoffError(
-            f"a {what} reached the Dask scheduler pickled by its CUDA ordinal, without "
-            "gpu_serde (the sender had not installed it), and an ordinal names another GPU "
-            "in each process. Install gpu_serde where it is sent from (gpu_serde.dask."
-            "register(client), or the client preload in docs/deployment.md) and send it again"
+            f"a live {what} reached the Dask scheduler, which only forwards: it was pickled "
+            "by its CUDA ordinal, without gpu_serde (an ordinal names another GPU in each "
+            "process). Call gpu_serde.dask.register(client) where it is sent from (or preload "
+            "gpu_serde.dask there) and send it again"
         ),
     )

@@ -78,19 +78,13 @@ def pool_payload(mr: Pool) -> tuple[Any, ...]:
 
     Raises:
         NotIPCEnabledError: the pool is not IPC-enabled, or not a pool gpu_serde sends.
-        HandoffError: the pool is closed, or this process was forked from the pool's
-            (:func:`lifetime.not_forked`).
+        HandoffError: this process was forked from the pool's (:func:`lifetime.not_forked`).
     """
     origin = lifetime.forwarded(mr)
     if origin is not None:
         return origin[1][0]  # type: ignore[no-any-return]
     lifetime.not_forked(type(mr).__name__)
     kind = next((k for k in _FIX if isinstance(mr, k)), None)
-    if kind is not None and getattr(mr, "is_closed", False):  # it reads as not IPC-enabled too
-        raise HandoffError(
-            f"this {type(mr).__name__} is closed: it has no memory left to send (send a pool "
-            "before closing it, and keep it open while what was sent is in use)"
-        )
     if kind is None or not mr.is_ipc_enabled:
         raise NotIPCEnabledError(
             f"this {type(mr).__name__} cannot be sent to another process: "
@@ -123,7 +117,14 @@ def reduce_pool(mr: Pool) -> tuple[Any, ...]:
         HandoffError: the pool is closed.
     """
     origin = lifetime.forwarded(mr)
-    return origin if origin is not None else (wire.pool, (pool_payload(mr),))
+    if origin is not None:
+        return origin
+    if getattr(mr, "is_closed", False):  # it reads as not IPC-enabled too (its buffers' path
+        raise HandoffError(  # goes on: a live buffer of a closed pool travels by value)
+            f"this {type(mr).__name__} is closed: a closed pool cannot be sent (send it before "
+            "closing it, and keep it open while what was sent from it is in use)"
+        )
+    return (wire.pool, (pool_payload(mr),))
 
 
 def import_pool(p: PoolPayload, wire_payload: object) -> Pool:

@@ -339,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # a reader that went away (`| head`) is found here, not at exit
         return status
     except BrokenPipeError:
+        if not _stdout_gone():
+            raise  # another pipe (a connection): a real failure
         # what is left to print has no reader: say nothing more, as a SIGPIPE'd command would
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
@@ -352,6 +354,18 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.command} needs {top}, which is not installed here: "
             f"pip install {_extra_requirements(EXTRAS[top])} (gpu_serde's [{EXTRAS[top]}] extra)"
         )
+
+
+def _stdout_gone() -> bool:
+    """True when this process's standard output is a pipe with no reader left."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no fd (a replaced stdout), no poll
+        return False
 
 
 def _extra_requirements(extra: str) -> str:

@@ -274,13 +274,19 @@ def _handoff_dask(
     return [_hop(n, functools.partial(_result, f, left)) for n, f in checks.items()]
 
 
+#: Ray tasks and actors keep their node's CUDA_VISIBLE_DEVICES (each node numbers the GPUs its
+#: own way): Ray would set each task's to the GPUs it assigns, in one order on every node.
+NOSET = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
+
+
 def _handoff_ray(layout: dict[str, str], send: Any) -> list[Hop]:
     """An actor exports the buffer (a GPU task's worker may exit when the task ends) and holds it
     until every receiving task has checked it."""
     import ray
 
     _say(f"Handing a GPU buffer from an actor on {EXPORTER} to the other GPU nodes ...")
-    where = {"num_gpus": _gpus(layout, EXPORTER), "resources": {EXPORTER: 1}}
+    # each node's own order, as in the table above: "GPU n there" is the same numbering
+    where = {"num_gpus": _gpus(layout, EXPORTER), "resources": {EXPORTER: 1}, "runtime_env": NOSET}
     actor = ray.remote(_Exporter).options(**where).remote()
     left = _deadline(HANDOFF_TIMEOUT_S)
     try:
@@ -291,7 +297,7 @@ def _handoff_ray(layout: dict[str, str], send: Any) -> list[Hop]:
         check = ray.remote(max_retries=0)(_receive)
         checks = {}
         for n in _receivers(layout):
-            on_n = check.options(num_gpus=_gpus(layout, n), resources={n: 1})
+            on_n = check.options(num_gpus=_gpus(layout, n), resources={n: 1}, runtime_env=NOSET)
             checks[n] = on_n.remote(actor.send.remote())
         return [_hop(n, functools.partial(_ray_result, r, left)) for n, r in checks.items()]
     finally:
@@ -414,13 +420,10 @@ def _run_ray(
             "the node's own order: RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES, as RL stacks "
             "set it) ..."
         )
-        # Ray would set each task's CUDA_VISIBLE_DEVICES to the GPUs it assigns, in one order on
-        # every node; with NOSET each node keeps its own (each numbers the GPUs differently)
-        noset = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
         refs = {}
         for name in layout:
             count = _gpus(layout, name)
-            options = {"num_gpus": count, "resources": {name: 1}, "runtime_env": noset}
+            options = {"num_gpus": count, "resources": {name: 1}, "runtime_env": NOSET}
             refs[name] = task.options(**options).remote(send)
         rows = [(n, ray.get(r, timeout=120)) for n, r in refs.items()]
         rows += ray_rows(send)

@@ -525,6 +525,13 @@ def survey_ray(
             reports.append(r)
             if gpus:
                 owning.append(r)
+                if r.cuda_visible_devices is not None:
+                    r.notes.append(
+                        "CUDA_VISIBLE_DEVICES is the probe task's (it was given all the "
+                        "node's GPUs): unless RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES is "
+                        "set there, Ray sets it for each task, in an order that may change from "
+                        "task to task"
+                    )
             elif r.gpus:
                 r.notes.append(
                     f"Ray gives this node no GPU, yet its tasks see {len(r.gpus)} "
