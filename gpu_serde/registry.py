@@ -91,11 +91,10 @@ def forward_only(guard: Guard) -> None:
     only to pickle them again): install gpu_serde, rebuild no payload here (each becomes a
     placeholder that pickles again exactly as it came), and pickle a live object of a handled
     type through ``guard(obj, its type's own reducer)``, which returns what to send. A live
-    object whose own reduction is a gpu_serde payload came here by another way
-    than gpu_serde's (cuda.core's or torch's own pickle, by ordinal): the guard sends it on as
-    an error, raised where it is used; others (a CPU tensor) it passes as they are. Types
-    registered later are guarded too; :func:`uninstall` puts back what was there before
-    gpu_serde.
+    object that names a GPU came here by another way than gpu_serde's (cuda.core's or torch's
+    own pickle, by ordinal): the guard sends it on as an error, raised where it is used, and
+    passes others (a CPU tensor) as their own reducer makes them. Types registered later are
+    guarded too; :func:`uninstall` puts back what was there before gpu_serde.
     """
     global _forward, _installed
     with _lock:

@@ -108,6 +108,17 @@ def test_output_to_a_reader_that_went_away_ends_quietly(sim_env):
     assert (done.returncode, done.stderr) == (141, "")
 
 
+def test_a_broken_connection_is_still_an_error_while_stdout_is_fine(monkeypatch):
+    from gpu_serde.tools import cli
+
+    def lost(args):
+        raise BrokenPipeError(32, "Broken pipe")  # a worker's socket, not stdout
+
+    monkeypatch.setattr(cli, "_devices", lost)
+    with pytest.raises(BrokenPipeError):
+        cli.main(["devices"])
+
+
 def test_a_missing_engine_is_one_line_naming_the_extra():
     # `None` in sys.modules makes `import ray` fail as if Ray were not installed
     done = gpu_serde_cli("doctor", "--ray", "127.0.0.1:1", prelude="sys.modules['ray'] = None")

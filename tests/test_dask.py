@@ -433,3 +433,29 @@ def test_a_scheduler_in_the_clients_process_that_preloads_gpu_serde_does_not_onl
     finally:
         cluster.close()
         gpu_serde.uninstall()
+
+
+@pytest.mark.slow
+def test_options_that_name_no_gpu_pass_a_forwarding_scheduler_as_plain_data(scheduler_with_gpus):
+    from cuda.core import VirtualMemoryResourceOptions
+
+    client, workers, _ = scheduler_with_gpus
+    gpu_serde.uninstall()  # a plain client: the dataclass's own pickle reaches the scheduler
+    got = client.submit(type, VirtualMemoryResourceOptions(), workers=[workers["w1"]], pure=False)
+    assert got.result(timeout=60) is VirtualMemoryResourceOptions
+
+
+def test_only_the_dask_scheduler_command_makes_a_process_a_forwarder():
+    """`dask scheduler` (and `python -m distributed.cli.dask_scheduler`, the same function)
+    runs a scheduler alone; `dask spec` may run a worker beside it, and a process without a
+    command (a LocalCluster's) runs a client."""
+    import click
+    from distributed.cli import dask_scheduler, dask_spec
+
+    from gpu_serde.dask.plugin import _scheduler_alone
+
+    assert not _scheduler_alone()
+    with click.Context(dask_scheduler.main):
+        assert _scheduler_alone()
+    with click.Context(dask_spec.main):
+        assert not _scheduler_alone()

@@ -17,12 +17,17 @@ import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from cuda.core import Buffer, Device, DeviceMemoryResource, PinnedMemoryResource
+from cuda.core import (
+    Buffer,
+    Device,
+    DeviceMemoryResource,
+    PinnedMemoryResource,
+    VirtualMemoryResourceOptions,
+)
 from dask.tokenize import normalize_token
 from distributed import Client, Scheduler, Worker
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from gpu_serde import wire
 from gpu_serde.dask import hosts
 from gpu_serde.dask import serializers as _serializers  # noqa: F401  (registers the Buffer's)
 from gpu_serde.dask.placement import publish
@@ -175,22 +180,25 @@ def _scheduler_alone() -> bool:
 
 
 def _sent_by_ordinal(obj: object, own: Callable[[Any], tuple[Any, ...]]) -> tuple[Any, ...]:
-    """A forwarding scheduler's guard (:func:`gpu_serde.registry.forward_only`): a live object
-    whose own reduction is a gpu_serde payload (a Device, GPU memory, a CUDA tensor: only a
-    pickle by ordinal makes one here) travels on as the error; anything else (a CPU tensor) as
-    its reducer made it. Never raises: a scheduler that cannot pickle a task drops workers."""
+    """A forwarding scheduler's guard (:func:`gpu_serde.registry.forward_only`). What names a
+    GPU (a Device, GPU memory, a CUDA tensor, a CuPy array, options with peers) came here
+    without gpu_serde, by a CUDA ordinal or current device, and travels on as the error,
+    without being reduced here (no copy, no hold); what names none (a CPU tensor, options
+    without peers) is pickled as it would be without gpu_serde. Never raises: a scheduler that
+    cannot pickle a task drops workers."""
     what = type(obj).__name__
-    try:
-        reduced = own(obj)
-    except Exception as exc:
-        return unsent(what, exc)
-    if getattr(reduced[0], "__module__", None) != wire.__name__:
-        return reduced
+    if isinstance(obj, VirtualMemoryResourceOptions) and not obj.peers:
+        return obj.__reduce_ex__(2)  # type: ignore[no-any-return]  # plain data, no GPU in it
+    if getattr(obj, "is_cuda", True) is False:  # a CPU torch tensor: torch's own reduction
+        try:
+            return own(obj)
+        except Exception as exc:
+            return unsent(what, exc)
     return unsent(
         what,
         HandoffError(
             f"a live {what} reached the Dask scheduler, which only forwards: it was pickled "
-            "by its CUDA ordinal, without gpu_serde (an ordinal names another GPU in each "
+            "by its CUDA ordinal or current device, without gpu_serde (another GPU in each "
             "process). Call gpu_serde.dask.register(client) where it is sent from (or preload "
             "gpu_serde.dask there) and send it again"
         ),

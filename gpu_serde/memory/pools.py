@@ -77,7 +77,8 @@ def pool_payload(mr: Pool) -> tuple[Any, ...]:
     same tuple every time.
 
     Raises:
-        NotIPCEnabledError: the pool is not IPC-enabled, or not a pool gpu_serde sends.
+        NotIPCEnabledError: the pool is not IPC-enabled (or closed), or not a pool gpu_serde
+            sends.
         HandoffError: this process was forked from the pool's (:func:`lifetime.not_forked`).
     """
     origin = lifetime.forwarded(mr)
@@ -85,6 +86,11 @@ def pool_payload(mr: Pool) -> tuple[Any, ...]:
         return origin[1][0]  # type: ignore[no-any-return]
     lifetime.not_forked(type(mr).__name__)
     kind = next((k for k in _FIX if isinstance(mr, k)), None)
+    if kind is not None and getattr(mr, "is_closed", False):  # it reads as not IPC-enabled
+        raise NotIPCEnabledError(  # the same type: a live buffer of it still goes by value
+            f"this {type(mr).__name__} is closed: a closed pool cannot be sent (send it before "
+            "closing it, and keep it open while what was sent from it is in use)"
+        )
     if kind is None or not mr.is_ipc_enabled:
         raise NotIPCEnabledError(
             f"this {type(mr).__name__} cannot be sent to another process: "
@@ -113,17 +119,11 @@ def reduce_pool(mr: Pool) -> tuple[Any, ...]:
     ``(gpu_serde.wire.pool, (payload,))``.
 
     Raises:
-        NotIPCEnabledError: the pool is not IPC-enabled.
-        HandoffError: the pool is closed.
+        NotIPCEnabledError: the pool is not IPC-enabled, or closed.
     """
     origin = lifetime.forwarded(mr)
     if origin is not None:
         return origin
-    if getattr(mr, "is_closed", False):  # it reads as not IPC-enabled too (its buffers' path
-        raise HandoffError(  # goes on: a live buffer of a closed pool travels by value)
-            f"this {type(mr).__name__} is closed: a closed pool cannot be sent (send it before "
-            "closing it, and keep it open while what was sent from it is in use)"
-        )
     return (wire.pool, (pool_payload(mr),))
 
 

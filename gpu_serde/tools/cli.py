@@ -363,7 +363,8 @@ def _stdout_gone() -> bool:
     try:
         poller = select.poll()
         poller.register(sys.stdout.fileno(), select.POLLOUT)
-        return any(events & select.POLLERR for _, events in poller.poll(0))
+        gone = select.POLLERR | select.POLLHUP  # a pipe's reader left; a socket's peer
+        return any(events & gone for _, events in poller.poll(0))
     except (OSError, ValueError, AttributeError):  # no fd (a replaced stdout), no poll
         return False
 
