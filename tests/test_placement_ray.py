@@ -164,10 +164,20 @@ def test_a_gpu_no_node_sees_raises_at_on_naming_every_node(cluster):
     assert ", ".join(cluster["order"]["b"]) in text
 
 
-@pytest.mark.parametrize("bad", [1, "GPU-0", None])
+@pytest.mark.parametrize("bad", [1, "cuda:1", None])
 def test_anything_else_is_a_type_error(cluster, bad):
     with pytest.raises(TypeError, match="on\\(\\) takes"):
         gpu_serde.ray.on(bad)
+
+
+def test_a_gpu_named_by_its_uuid_routes_as_its_device_does(cluster):
+    uuid = cluster["uuids"][2]
+    options, by_device = gpu_serde.ray.on(uuid), gpu_serde.ray.on(Device(2))
+    assert options["runtime_env"] == by_device["runtime_env"]
+    assert options["scheduling_strategy"].node_id == by_device["scheduling_strategy"].node_id
+    assert ray.get(where.options(**options).remote(Device(2)))[1] == uuid
+    with pytest.raises(ValueError, match="which is not a GPU UUID"):
+        gpu_serde.ray.on("GPU-0")
 
 
 def ray_env(cluster) -> dict[str, str]:
