@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import re
 import socket
 import threading
 from dataclasses import dataclass, field
@@ -103,14 +102,15 @@ def _is_simulated() -> bool:
     return hasattr(lib, "gpu_serde_simulated_driver")
 
 
-_BARE_UUID = re.compile(r"[0-9a-fA-F]{8}(-?[0-9a-fA-F]{4}){3}-?[0-9a-fA-F]{12}")
-
-
 def _bare_uuid_hint(cvd: str) -> str:
     """A hint for the first entry of ``cvd`` that is a UUID without its ``GPU-`` prefix (which
     CUDA reads as no GPU), else ''."""
     first = cvd.split(",")[0].strip()
-    if not _BARE_UUID.fullmatch(first):
+    if first[:4].upper() in ("GPU-", "MIG-"):
+        return ""
+    try:
+        canonical_uuid(first)  # bare hex, as cuda.core's Device.uuid writes it
+    except ValueError:
         return ""
     return f": {first!r} is a UUID without its 'GPU-' prefix; write 'GPU-{first}'"
 
